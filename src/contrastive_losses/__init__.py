@@ -1,0 +1,10 @@
+"""Contrastive losses for multimodal retrieval (audio-text first).
+
+Public names only; the maths lives in :mod:`contrastive_losses.functional`.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__: list[str] = []
