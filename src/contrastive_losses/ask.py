@@ -386,7 +386,11 @@ class ASKLoss(nn.Module):
 
     def retrieve(self, audio: Tensor, text: Tensor, ids: Tensor) -> dict[str, Tensor | None]:
         """The knowledge :func:`ask` takes: ``fine_audio``, ``fine_text`` ``(B, k, D)`` and
-        ``coarse_audio``, ``coarse_text`` ``(B, k_coarse, D)`` (or ``None``), no gradient."""
+        ``coarse_audio``, ``coarse_text`` ``(B, k_coarse, D)`` (or ``None``).
+
+        The search runs without gradient; the rows are gathered from the bank tensors, so
+        they carry a gradient only if those tensors require one (see
+        :func:`~contrastive_losses.diagnostics.out_of_batch_influence`)."""
         bank = self.bank
         if bank.is_empty:
             raise ValueError(
@@ -407,16 +411,23 @@ class ASKLoss(nn.Module):
                 f"{bank.num_built_prototypes} prototypes"
             )
         out: dict[str, Tensor | None] = {"coarse_audio": None, "coarse_text": None}
-        with torch.no_grad():
-            for modality, x in (("audio", audio), ("text", text)):
+        for modality, x in (("audio", audio), ("text", text)):
+            with torch.no_grad():
                 q = F.normalize(x.detach().float(), dim=-1)
                 _, rows = bank.search(q, self.k, modality, exclude_ids=ids)  # (B, k)
-                rows_b = rows.to(bank.device)
-                out[f"fine_{modality}"] = bank.embeddings(modality)[rows_b].to(x.device, x.dtype)
-                if self.use_coarse:
-                    _, protos = bank.search_prototypes(q, self.k_coarse, modality)  # (B, kc)
-                    table = bank.prototypes(modality)
-                    out[f"coarse_{modality}"] = table[protos.to(table.device)].to(x.device, x.dtype)
+                protos = (
+                    bank.search_prototypes(q, self.k_coarse, modality)[1]
+                    if self.use_coarse
+                    else None
+                )
+            # Gather outside no_grad: a bank tensor that requires grad (diagnostics) gets one.
+            table = bank.embeddings(modality)
+            out[f"fine_{modality}"] = table[rows.to(table.device)].to(
+                x.device, x.dtype
+            )  # (B, k, D)
+            if protos is not None:
+                ptable = bank.prototypes(modality)
+                out[f"coarse_{modality}"] = ptable[protos.to(ptable.device)].to(x.device, x.dtype)
         return out
 
     def forward(
