@@ -172,8 +172,8 @@ def _sinkhorn_exp(
     v = torch.ones((*z.shape[:-2], m, 1), dtype=z.dtype, device=z.device)  # (..., m, 1)
     for it in range(max_iter):
         if it > 0:
-            v = (1.0 / m) / (kernel_t @ u)  # (..., m, 1)
-            u = (1.0 / n) / (kernel @ v)  # (..., n, 1)
+            v = (kernel_t @ u).reciprocal().mul(1.0 / m)  # (..., m, 1)
+            u = (kernel @ v).reciprocal().mul(1.0 / n)  # (..., n, 1)
         if tol is not None and it % every == 0:
             col = v * (kernel_t @ u)  # (..., m, 1)
             err = torch.linalg.vector_norm(col.squeeze(-1) - 1.0 / m, dim=-1)
