@@ -61,7 +61,8 @@ def out_of_batch_influence(
     Example:
         >>> import torch
         >>> from contrastive_losses.diagnostics import out_of_batch_influence
-        >>> a, bank = torch.randn(4, 3), torch.randn(10, 3)
+        >>> g = torch.Generator().manual_seed(0)
+        >>> a, bank = torch.randn(4, 3, generator=g), torch.randn(10, 3, generator=g)
         >>> in_batch = lambda x: (x @ x.T).logsumexp(-1).mean()
         >>> float(out_of_batch_influence(in_batch, a, outside=bank, reduction="sum"))
         0.0
@@ -150,10 +151,10 @@ def representation_drift_mismatch(
     Example:
         >>> import torch
         >>> from contrastive_losses.diagnostics import representation_drift_mismatch
-        >>> x = torch.randn(5, 4)
-        >>> round(float(representation_drift_mismatch(x, 2 * x)), 6)
-        0.0
-        >>> round(float(representation_drift_mismatch(x, -x)), 6)
+        >>> x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+        >>> abs(float(representation_drift_mismatch(x, 2 * x))) < 1e-6
+        True
+        >>> round(float(representation_drift_mismatch(x, -x)), 4)
         2.0
     """
     current = check_embeddings(current, "current", ndim=2, dims="(N, D)", min_batch=1)
