@@ -5,9 +5,10 @@ Public names only; the maths lives in :mod:`contrastive_losses.functional`.
 
 from __future__ import annotations
 
-from . import distributed, functional
+from . import diagnostics, distributed, functional
 from .functional import sample_languages
 from .losses import CACLLoss, ContrastivePair, InfoNCELoss, KCLLoss, SigLIPLoss
+from .svr import RadiusPredictor, SupportVectorRegularizer
 
 __version__ = "0.1.0"
 
@@ -16,7 +17,10 @@ __all__ = [
     "ContrastivePair",
     "InfoNCELoss",
     "KCLLoss",
+    "RadiusPredictor",
     "SigLIPLoss",
+    "SupportVectorRegularizer",
+    "diagnostics",
     "distributed",
     "functional",
     "sample_languages",
