@@ -20,6 +20,7 @@ Notation: ``B`` batch, ``K`` languages (captions per clip), ``D`` embedding dim,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -570,50 +571,85 @@ def sample_languages(
 # --------------------------------------------------------------------------- SVR (SupCLAP)
 
 
-def _support_shift(x: Tensor, y_pos: Tensor, radius: Tensor | float) -> tuple[Tensor, Tensor]:
-    r"""Shift ``x + R * (y_pos - x) / ||y_pos - x||`` and the distance ``||y_pos - x||``.
+class _Gram(torch.autograd.Function):
+    """``y @ y.mT`` with the symmetric backward ``(g + g.mT) @ y``: one matmul, not two."""
 
-    ``x``, ``y_pos`` ``(..., D)``; ``radius`` a scalar or ``(...)``. Where the distance is
-    below the dtype's epsilon the direction is undefined: the shift is 0 with zero
-    gradient, so a positive that coincides with its anchor gives the plain InfoNCE row
-    (finite) instead of an :math:`R/\epsilon` gradient.
-    """
-    u = y_pos - x  # (..., D)
-    dist = torch.linalg.vector_norm(u, dim=-1)  # (...)
-    eps = torch.finfo(x.dtype).eps
-    coef = torch.where(dist > eps, radius / dist.clamp_min(eps), torch.zeros_like(dist))
-    return torch.addcmul(x, coef[..., None], u), dist
+    @staticmethod
+    def forward(ctx: Any, y: Tensor) -> Tensor:
+        ctx.save_for_backward(y)
+        return y @ y.mT
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (y,) = ctx.saved_tensors
+        return (grad + grad.mT) @ y
+
+
+class _Distance(torch.autograd.Function):
+    """``||y - x||`` over the last dim; backward recomputes ``y - x`` instead of keeping a
+    ``(B, D)`` tensor alive, and is 0 where the distance is 0."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, y: Tensor) -> Tensor:
+        dist = torch.linalg.vector_norm(y - x, dim=-1)
+        ctx.save_for_backward(x, y, dist)
+        return dist
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x, y, dist = ctx.saved_tensors
+        scale = torch.where(dist > 0, grad / dist.clamp_min(torch.finfo(dist.dtype).tiny), 0)
+        grad_y = (y - x) * scale[..., None]
+        return -grad_y, grad_y
+
+
+def _distance(x: Tensor, y: Tensor) -> Tensor:
+    return _Distance.apply(x, y)
+
+
+def _gram(y_local: Tensor, y_all: Tensor, gathered: bool) -> Tensor:
+    """``y_local @ y_all.T``: the positives' rows against every candidate."""
+    return y_local @ y_all.mT if gathered else _Gram.apply(y_local)
 
 
 def _unit_offsets(x: Tensor, y_pos: Tensor) -> tuple[Tensor, Tensor]:
-    """Unit direction ``(y_pos - x)/||y_pos - x||`` (0 where undefined) and the distance."""
-    direction, dist = _support_shift(torch.zeros_like(x), y_pos - x, 1.0)
-    return direction, dist
+    """Unit direction ``(y_pos - x)/||y_pos - x||`` (0 below epsilon) and the distance."""
+    u = y_pos - x
+    dist = torch.linalg.vector_norm(u, dim=-1)
+    eps = torch.finfo(x.dtype).eps
+    inv = torch.where(dist > eps, 1 / dist.clamp_min(eps), torch.zeros_like(dist))
+    return u * inv[..., None], dist
 
 
 def _support_vector_rows(
-    anchors: Tensor,
-    candidates: Tensor,
-    offset: int,
+    sims: Tensor,
+    positive_sims: Tensor,
+    dist: Tensor,
     radius: Tensor | float,
     temperature: float | Tensor,
+    offset: int,
     col_mask: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """Per-row SVR cross-entropy and anchor–positive distance, batched over pairs.
+) -> Tensor:
+    r"""Per-row SVR cross-entropy from similarities, batched over ``Q`` problems.
 
-    ``anchors`` ``(P, b, D)`` (this rank's rows), ``candidates`` ``(P, N, D)`` with the
-    positive of row ``r`` at ``offset + r``, ``radius`` a scalar or ``(P, b)``,
-    ``col_mask`` ``(P, N)`` of present candidates or ``None``. Returns two ``(P, b)``
-    tensors; rows are not masked here.
+    With :math:`c_i = R_i/d_i` the support vector's logits are
+    :math:`\langle t_i + c_i(a_i - t_i), a_j\rangle = (1 - c_i) s_{ij} + c_i g_{ij}`, so
+    they come from the anchor-candidate similarities ``sims`` :math:`s_{ij}` and the
+    positive-candidate similarities ``positive_sims`` :math:`g_{ij} = \langle a_i, a_j\rangle`,
+    both ``(Q, b, N)`` with the positive of row ``r`` at column ``offset + r``, and no
+    ``(b, D)`` support vector is built. ``dist`` ``(Q, b)`` is :math:`d_i`; below the
+    dtype's epsilon the direction is undefined and :math:`c_i = 0` (the InfoNCE row).
+    ``radius`` is a scalar or ``(Q, b)``; ``col_mask`` ``(Q, N)`` marks present
+    candidates. Returns ``(Q, b)``; rows are not masked here.
     """
-    b = anchors.shape[1]
-    support, dist = _support_shift(anchors, candidates[:, offset : offset + b], radius)
-    logits = support @ candidates.transpose(1, 2) / temperature  # (P, b, N), not re-normalised
+    eps = torch.finfo(dist.dtype).eps
+    coef = torch.where(dist > eps, radius / dist.clamp_min(eps), torch.zeros_like(dist))
+    logits = torch.lerp(sims, positive_sims, coef[..., None]) / temperature  # (Q, b, N)
     if col_mask is not None:
         logits = logits.masked_fill(~col_mask[:, None, :], torch.finfo(logits.dtype).min)
-    rows = torch.arange(b, device=anchors.device)
-    positive = logits[:, rows, rows + offset]  # (P, b)
-    return logits.logsumexp(dim=-1) - positive, dist
+    rows = torch.arange(sims.shape[1], device=sims.device)
+    positive = logits[:, rows, rows + offset]  # (Q, b)
+    return logits.logsumexp(dim=-1) - positive
 
 
 def _radius_features(
@@ -741,15 +777,15 @@ def support_vector_term(
     enabled = resolve_gather(gather)
     y_all, offset = _gather(y, enabled)
     m_all = None if mask is None else (all_gather_no_grad(mask) if enabled else mask)
-    rows, _ = _support_vector_rows(
-        x[None],
-        y_all[None],
-        offset,
+    per_row = _support_vector_rows(
+        (x @ y_all.T)[None],  # (1, b, N)
+        _gram(y, y_all, enabled)[None],
+        _distance(x, y)[None],
         r[None] if isinstance(r, Tensor) and r.dim() == 1 else r,
         temperature,
+        offset,
         None if m_all is None else m_all[None],
-    )
-    per_row = rows[0]  # (b,)
+    )[0]  # (b,)
     batch = _batch(offset, y_all.shape[0], enabled)
     if mask is None:
         return _reduce(per_row, reduction, batch.n_global, batch)

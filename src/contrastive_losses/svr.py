@@ -20,7 +20,9 @@ from . import _checks
 from .distributed import all_gather_no_grad, resolve_gather
 from .functional import (
     _batch,
+    _distance,
     _gather,
+    _gram,
     _radius_features,
     _reduce,
     _support_vector_rows,
@@ -281,60 +283,78 @@ class SupportVectorRegularizer(nn.Module):
     def _regularise(self, pairs: list[Any]) -> tuple[Tensor, Tensor, Tensor]:
         """SVR and constraint means over every present anchor, and the radii used.
 
-        Both directions run as one batch of ``2P`` (anchor, candidates) problems: the text
-        anchors against the audio, then the audio anchors against the text.
+        Matmuls run per pair (and per distinct tensor for the positive-candidate Gram
+        matrices, e.g. KCL's audio once for all languages); everything after them runs
+        batched over the ``Q = P`` (uni) or ``2P`` (bi) anchor/candidate problems on
+        ``(Q, b, N)`` similarity tensors.
         """
         if len(pairs) == 0:
             raise ValueError("base: contrastive_pairs returned no pairs")
         normalize = bool(getattr(self.base, "normalize", True))
-        unique: dict[int, Tensor] = {}  # normalise a tensor shared by several pairs once
-
-        def prepare(x: Tensor) -> Tensor:
-            if id(x) not in unique:
-                unique[id(x)] = F.normalize(x, dim=-1) if normalize else x
-            return unique[id(x)]
-
-        audio = [prepare(p.audio) for p in pairs]
-        text = [prepare(p.text) for p in pairs]
-        shapes = {tuple(x.shape) for x in audio + text}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-            raise ValueError(
-                "base: contrastive_pairs must give (B, D) audio and text tensors of one "
-                f"shape, got shapes {sorted(shapes)}"
-            )
-        n_pairs = len(pairs)
-        b = audio[0].shape[0]
-        masks = None
-        if any(p.mask is not None for p in pairs):
-            ones = torch.ones(b, dtype=torch.bool, device=audio[0].device)
-            masks = [ones if p.mask is None else p.mask for p in pairs]
-
-        bi = self.direction == "bi"
         enabled = resolve_gather(getattr(self.base, "gather", None))
-        # (b, Q, D) with Q = P (uni) or 2P (bi): anchors and their candidates side by side.
-        anchors = torch.stack(text + audio if bi else text, dim=1)
-        local_candidates = torch.stack(audio + text if bi else audio, dim=1)
-        candidates, offset = _gather(local_candidates, enabled)  # (N, Q, D)
-        x = anchors.transpose(0, 1)  # (Q, b, D)
-        y = candidates.transpose(0, 1)  # (Q, N, D)
+        local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
+        glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
+        grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
+        offset = 0
+
+        def prepare(x: Tensor) -> int:
+            nonlocal offset
+            key = id(x)
+            if key not in local:
+                if x.dim() != 2:
+                    raise ValueError(
+                        "base: contrastive_pairs must give (B, D) tensors, got shape "
+                        f"{tuple(x.shape)}"
+                    )
+                local[key] = F.normalize(x, dim=-1) if normalize else x
+                glob[key], offset = _gather(local[key], enabled)
+            return key
+
+        def gram(key: int) -> Tensor:
+            if key not in grams:
+                grams[key] = _gram(local[key], glob[key], enabled)
+            return grams[key]
+
+        keys = [(prepare(p.audio), prepare(p.text)) for p in pairs]
+        shapes = {tuple(x.shape) for x in local.values()}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"base: contrastive_pairs gave tensors of shapes {sorted(shapes)}; every pair "
+                "needs (B, D) audio and text of one shape"
+            )
+        b = next(iter(local.values())).shape[0]
+
+        def stack(xs: list[Tensor]) -> Tensor:
+            return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
+
+        # text anchors against the audio: s_ij = <t_i, a_j>, g_ij = <a_i, a_j>
+        sims = stack([local[t] @ glob[a].T for a, t in keys])  # (P, b, N)
+        pos_sims = stack([gram(a) for a, _ in keys])  # (P, b, N)
+        dist = stack([_distance(local[t], local[a]) for a, t in keys])  # (P, b)
+        if self.direction == "bi":  # audio anchors against the text
+            if enabled:
+                mirror = stack([local[a] @ glob[t].T for a, t in keys])
+            else:
+                mirror = sims.transpose(1, 2)  # <a_i, t_j> = <t_j, a_i>
+            sims = torch.cat([sims, mirror])  # (2P, b, N)
+            pos_sims = torch.cat([pos_sims, stack([gram(t) for _, t in keys])])
+            dist = torch.cat([dist, dist])
+
         row_mask = col_mask = None
-        if masks is not None:
-            mask = torch.stack(masks + masks if bi else masks, dim=1)  # (b, Q)
+        if any(p.mask is not None for p in pairs):
+            ones = torch.ones(b, dtype=torch.bool, device=sims.device)
+            mask = torch.stack([ones if p.mask is None else p.mask for p in pairs], dim=1)
+            mask = mask.repeat(1, sims.shape[0] // len(pairs))  # (b, Q)
             row_mask = mask.T  # (Q, b)
             col_mask = (all_gather_no_grad(mask) if enabled else mask).T.contiguous()  # (Q, N)
 
         if self.predictor is None:
-            radius = self.radius.to(x.dtype)  # ()
-        else:
-            with torch.no_grad():
-                if bi and not enabled:  # a_i . t_j is the transpose of t_j . a_i
-                    sims = x[:n_pairs] @ y[:n_pairs].transpose(1, 2)  # (P, b, N), cosine
-                    sims = torch.cat([sims, sims.transpose(1, 2)])
-                else:
-                    sims = x @ y.transpose(1, 2)  # (Q, b, N)
+            radius = self.radius.to(sims.dtype)  # ()
+        else:  # the cosine similarity rows, detached inside the predictor
             radius = self.predictor(sims, offset, col_mask)  # (Q, b)
-        temperature = self.temperature
-        rows, dist = _support_vector_rows(x, y, offset, radius, temperature, col_mask)
+        rows = _support_vector_rows(
+            sims, pos_sims, dist, radius, self.temperature, offset, col_mask
+        )  # (Q, b)
         con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
         radii = radius.expand_as(rows)
         con = con.expand_as(rows)
@@ -342,8 +362,8 @@ class SupportVectorRegularizer(nn.Module):
             rows = torch.where(row_mask, rows, torch.zeros_like(rows))
             con = torch.where(row_mask, con, torch.zeros_like(con))
             radii = radii[row_mask]
-        batch = _batch(offset, y.shape[1], enabled)
-        count: Tensor | int = batch.n_global * x.shape[0]
+        batch = _batch(offset, sims.shape[-1], enabled)
+        count: Tensor | int = batch.n_global * rows.shape[0]
         if col_mask is not None:
             count = col_mask.sum().clamp_min(1)
         svr = _reduce(rows, "mean", count, batch)
