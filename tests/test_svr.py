@@ -313,6 +313,7 @@ def test_constraint_defaults_and_weights(gen):
     _, terms = static(a, t, return_terms=True)
     dist = (F.normalize(a) - F.normalize(t)).norm(dim=-1)
     torch.testing.assert_close(terms["constraint"], (3.0 - dist).mean())
+    assert terms["radius_over_distance"] == 1
 
 
 def test_uni_is_the_text_anchor_half_of_bi(gen):
@@ -387,19 +388,29 @@ def test_temperature_follows_base_unless_given(gen):
 def test_return_terms_are_detached_and_describe_the_radius(gen):
     a, t = randn(gen, 6, 4).requires_grad_(), randn(gen, 6, 3, 4)
     svr = randomise(SupportVectorRegularizer(KCLLoss(), radius="dynamic")).double()
+    an, tn = F.normalize(a.detach(), dim=-1), F.normalize(t, dim=-1)
+    dist = (an[:, None] - tn).norm(dim=-1).T.reshape(-1)  # (K*B,) language-major
+
+    def predicted():
+        return torch.cat(
+            [svr.predictor(tn[:, k] @ an.T) for k in range(3)]
+            + [svr.predictor(an @ tn[:, k].T) for k in range(3)]
+        ).detach()
+
+    with torch.no_grad():  # centre the radii on the distances so both sides occur
+        svr.predictor.mlp[-1].bias -= predicted().median() - dist.median()
+    radii = predicted()
     loss, terms = svr(a, t, return_terms=True)
     assert loss.requires_grad and not any(v.requires_grad for v in terms.values())
     assert {"loss_a2t", "loss_t2a", "temperature", "base", "svr", "constraint"} <= set(terms)
-    an, tn = F.normalize(a.detach(), dim=-1), F.normalize(t, dim=-1)
-    radii = torch.cat(
-        [svr.predictor(tn[:, k] @ an.T) for k in range(3)]
-        + [svr.predictor(an @ tn[:, k].T) for k in range(3)]
-    ).detach()
     torch.testing.assert_close(terms["radius_mean"], radii.mean())
     torch.testing.assert_close(terms["radius_std"], radii.std(unbiased=False))
     torch.testing.assert_close(terms["radius_min"], radii.min())
     torch.testing.assert_close(terms["radius_max"], radii.max())
     assert terms["radius_std"] > 0
+    over = (radii > torch.cat([dist, dist])).to(F64).mean()
+    torch.testing.assert_close(terms["radius_over_distance"], over)
+    assert 0 < over < 1  # the check above sees both cases
     torch.testing.assert_close(svr(a, t), loss)  # return_terms does not change the loss
 
 

@@ -144,6 +144,13 @@ class SupportVectorRegularizer(nn.Module):
     randomness (CACL without ``other``) exposes ``resolve_inputs``; it is called once so
     the base loss and the SVR see the same draw.
 
+    The SVR term falls as :math:`R` grows (the support vector moves onto its positive), so
+    a learned radius rises until the constraint holds it. Watch ``radius_over_distance``:
+    where :math:`R_i > \lVert a_i - t_i\rVert` the perpendicular pushes are reversed
+    rather than damped. In ``benchmarks/study_svr_controlled.py`` the dynamic radius with
+    ``beta=0.01`` ended above the distance for nearly every anchor; ``beta=1`` kept it
+    below for about 90%.
+
     Args:
         base: a loss Module with ``contrastive_pairs`` (:class:`~contrastive_losses.InfoNCELoss`,
             :class:`~contrastive_losses.SigLIPLoss`, :class:`~contrastive_losses.KCLLoss`,
@@ -162,8 +169,10 @@ class SupportVectorRegularizer(nn.Module):
         ``forward(*base_args, return_terms=False, **base_kwargs)`` takes exactly the
         base's arguments (e.g. audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)`` for
         KCL) and returns a scalar; ``return_terms`` adds the base's terms and ``base``,
-        ``svr``, ``constraint``, ``radius_mean``/``std``/``min``/``max`` (over this
-        rank's present anchors).
+        ``svr``, ``constraint``, ``radius_mean``/``std``/``min``/``max`` and
+        ``radius_over_distance``, the share of anchors with :math:`R_i > \lVert a_i -
+        t_i\rVert` (their perpendicular pushes are reversed, not damped), all over this
+        rank's present anchors.
 
     Example:
         >>> import torch
@@ -259,7 +268,7 @@ class SupportVectorRegularizer(nn.Module):
         else:
             base_loss = self.base(*args, **kwargs)
         pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
-        svr, constraint, radii = self._regularise(pairs)
+        svr, constraint, radii, over = self._regularise(pairs)
         loss = base_loss + self.alpha * svr
         if self.constraint:
             loss = loss + self.beta * constraint
@@ -275,13 +284,16 @@ class SupportVectorRegularizer(nn.Module):
             radius_std=r.std(unbiased=False),
             radius_min=r.min(),
             radius_max=r.max(),
+            radius_over_distance=over,
         )
         return loss, terms
 
     # ------------------------------------------------------------------ internals
 
-    def _regularise(self, pairs: list[Any]) -> tuple[Tensor, Tensor, Tensor]:
-        """SVR and constraint means over every present anchor, and the radii used.
+    def _regularise(self, pairs: list[Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """SVR and constraint means over every present anchor, the radii used, and the
+        share of anchors whose radius exceeds ``||a - t||`` (their perpendicular pushes
+        change sign).
 
         Matmuls run per pair (and per distinct tensor for the positive-candidate Gram
         matrices, e.g. KCL's audio once for all languages); everything after them runs
@@ -357,18 +369,20 @@ class SupportVectorRegularizer(nn.Module):
         )  # (Q, b)
         con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
         radii = radius.expand_as(rows)
+        over = (radius.detach() > dist.detach()).expand_as(rows)
         con = con.expand_as(rows)
         if row_mask is not None:
             rows = torch.where(row_mask, rows, torch.zeros_like(rows))
             con = torch.where(row_mask, con, torch.zeros_like(con))
             radii = radii[row_mask]
+            over = over[row_mask]
         batch = _batch(offset, sims.shape[-1], enabled)
         count: Tensor | int = batch.n_global * rows.shape[0]
         if col_mask is not None:
             count = col_mask.sum().clamp_min(1)
         svr = _reduce(rows, "mean", count, batch)
         constraint = _reduce(con, "mean", count, batch)
-        return svr, constraint, radii.reshape(-1)
+        return svr, constraint, radii.reshape(-1), over.to(rows.dtype).mean()
 
 
 def _check_base_reduction(base: nn.Module) -> None:
