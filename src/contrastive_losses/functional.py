@@ -665,16 +665,12 @@ def _radius_features(
     s = similarities.detach()
     b, n = s.shape[-2], s.shape[-1]
     rows = torch.arange(b, device=s.device)
-    is_pos = torch.zeros(b, n, dtype=torch.bool, device=s.device)
-    is_pos[rows, rows + offset] = True
-    present = ~is_pos if col_mask is None else col_mask[..., None, :] | is_pos
-    s_pos = s[..., rows, rows + offset]  # (..., b)
-    row_min = s.masked_fill(~present | is_pos, float("inf")).amin(dim=-1)
-    row_min = torch.minimum(row_min, s_pos)
+    invalid = torch.zeros(b, n, dtype=torch.bool, device=s.device)
+    invalid[rows, rows + offset] = True  # the positive is not a negative
     if col_mask is not None:
-        row_min = torch.where(torch.isfinite(row_min), row_min, s_pos)
-    valid_neg = ~is_pos if col_mask is None else col_mask[..., None, :] & ~is_pos
-    neg = s.masked_fill(~valid_neg, float("-inf"))  # (..., b, N)
+        invalid = invalid | ~col_mask[..., None, :]  # (..., b, N)
+    s_pos = s[..., rows, rows + offset]  # (..., b)
+    neg = s.masked_fill(invalid, float("-inf"))  # (..., b, N)
     k = num_features - 1
     if n - 1 >= k:
         top = neg.topk(k, dim=-1).values  # sorted descending
@@ -682,7 +678,9 @@ def _radius_features(
         top = neg.sort(dim=-1, descending=True).values[..., : n - 1]
         pad = top.new_full((*top.shape[:-1], k - (n - 1)), float("-inf"))
         top = torch.cat([top, pad], dim=-1)
-    top = torch.where(torch.isinf(top), row_min[..., None], top)
+    if col_mask is not None or n - 1 < k:  # empty slots take the row minimum
+        row_min = torch.minimum(s.masked_fill(invalid, float("inf")).amin(dim=-1), s_pos)
+        top = torch.where(torch.isinf(top), row_min[..., None], top)
     return torch.cat([s_pos[..., None], top], dim=-1)  # (..., b, num_features)
 
 
