@@ -92,6 +92,7 @@ pygments_dark_style = "monokai"
 # -- autodoc / napoleon ----------------------------------------------------------------
 # Members are listed per page by cl_docs (from each module's __all__), not by default.
 autodoc_default_options = {"member-order": "bysource", "exclude-members": "extra_repr"}
+autodoc_inherit_docstrings = False  # no "Define the computation performed at every call"
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented_params"
 autodoc_typehints_format = "short"

@@ -12,8 +12,9 @@
 * **``.. benchmark-results:: NAME``** renders ``benchmarks/results/NAME.json`` (its
   markdown tables), ``NAME.md`` and ``NAME*.png``; ``*`` renders every result that no
   earlier directive on the page claimed. Absent results give a short note, not an error.
-* **Example README.** The line ``<!-- examples/README.md -->`` in a Markdown page becomes
-  an include of ``examples/README.md`` when that file exists, else a note.
+* **Example README.** The line ``<!-- examples/README.md -->`` in a Markdown page is
+  replaced by the text of ``examples/README.md`` (headings one level down, image paths
+  fixed, links to repository files made plain) when that file exists, else by a note.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import inspect
 import json
 import os
 import pkgutil
+import re
 import types
 from pathlib import Path
 from typing import Any
@@ -122,7 +124,10 @@ def _page(module: types.ModuleType, top: dict[int, str]) -> str:
         own = [n for n, obj in members.items() if id(obj) not in top]
         exported = [top[id(obj)] for n, obj in members.items() if id(obj) in top]
         summary = own + [f"~{PACKAGE}.{n}" for n in exported]
-    lines = _title(f"``{name}``", "=")
+    # Short titles keep the sidebar readable; the module's full name heads the page body.
+    lines = _title(name if name == PACKAGE else name.rsplit(".", 1)[1], "=")
+    if name != PACKAGE:
+        lines += [f"``{name}``", ""]
     lines += [f".. automodule:: {name}", ""]
     if summary:
         lines += [".. rubric:: Contents", "", ".. autosummary::", "   :nosignatures:", ""]
@@ -272,7 +277,8 @@ class BenchmarkResults(SphinxDirective):
                 if isinstance(value, str) and value.lstrip().startswith("|")
             }
             for key, table in tables.items():
-                lines += _markdown_table_to_rst(table, f"{stem}: ``{key}``")
+                caption = f"{stem}.json" if len(tables) == 1 else f"{stem}.json: ``{key}``"
+                lines += _markdown_table_to_rst(table, caption)
             if machine := _machine(payload):
                 lines += [machine, ""]
             lines += [f"Raw numbers: :download:`{stem}.json <{rel}/{stem}.json>`.", ""]
@@ -287,6 +293,38 @@ class BenchmarkResults(SphinxDirective):
 # ----------------------------------------------------------------------------- example README
 
 README_MARKER = "<!-- examples/README.md -->"
+_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def _inline_readme(readme: Path, docdir: Path, repository: str) -> str:
+    """The README's Markdown, headings one level down and relative paths rewritten.
+
+    Images point at the file from the docs page. Links to repository files (scripts,
+    other READMEs) are not docs pages: they go to ``cl_repository_url`` when set, else
+    become plain text. Fenced code is left alone.
+    """
+    base = readme.parent
+
+    def link(match: re.Match[str]) -> str:
+        bang, text, target = match.groups()
+        if re.match(r"^[a-z][a-z0-9+.-]*:|^#", target):
+            return match.group(0)
+        if bang:
+            path = Path(os.path.relpath((base / target).resolve(), docdir)).as_posix()
+            return f"![{text}]({path})"
+        if repository:
+            path = Path(os.path.relpath((base / target).resolve(), readme.parents[1]))
+            return f"[{text}]({repository.rstrip('/')}/{path.as_posix()})"
+        return text
+
+    out, fenced = [], False
+    for line in readme.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced:
+            line = "#" + line if re.match(r"^#{1,5} ", line) else _LINK.sub(link, line)
+        out.append(line)
+    return "\n".join(out)
 
 
 def include_example_readme(app: Sphinx, docname: str, source: list[str]) -> None:
@@ -296,8 +334,7 @@ def include_example_readme(app: Sphinx, docname: str, source: list[str]) -> None
     docdir = Path(app.env.doc2path(docname)).parent
     if readme.exists():
         app.env.note_dependency(str(readme))
-        rel = Path(os.path.relpath(readme, docdir)).as_posix()
-        block = f"```{{include}} {rel}\n:heading-offset: 1\n:relative-images:\n```"
+        block = _inline_readme(readme, docdir, app.config.cl_repository_url)
     else:
         block = (
             "```{note}\n`examples/README.md` is not in this checkout; the example's own "
@@ -315,6 +352,8 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_config_value("cl_pending_modules", set(), "env")
     app.add_config_value("cl_results_dir", str(root / "benchmarks" / "results"), "env")
     app.add_config_value("cl_examples_readme", str(root / "examples" / "README.md"), "env")
+    # e.g. "https://github.com/OWNER/REPO/blob/main": where README links to repo files go.
+    app.add_config_value("cl_repository_url", "", "env")
     app.connect("builder-inited", generate_api_pages)
     app.connect("missing-reference", resolve_alias)
     app.connect("autodoc-skip-member", skip_namedtuple_fields)
