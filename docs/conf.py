@@ -112,16 +112,23 @@ myst_enable_extensions = ["dollarmath"]
 myst_heading_anchors = 3
 
 # -- doctest ---------------------------------------------------------------------------
-# Snippets of pending modules carry `:skipif: pending("contrastive_losses.svr")`: skipped
-# while the module is pending and absent, run otherwise.
+# Snippets of pending modules carry `:skipif: pending("contrastive_losses.svr")`, or
+# `pending("module:name")` when the snippet needs one name that another branch may add
+# later: skipped while the module (or name) is pending and absent, run otherwise.
 doctest_global_setup = f"""
+import importlib as _il
 import importlib.util as _ilu
 import torch
 torch.manual_seed(0)
 _PENDING = {sorted(PENDING_MODULES)!r}
 
-def pending(module):
-    return module in _PENDING and _ilu.find_spec(module) is None
+def pending(target):
+    module, _, name = target.partition(":")
+    if module not in _PENDING:
+        return False
+    if _ilu.find_spec(module) is None:
+        return True
+    return bool(name) and not hasattr(_il.import_module(module), name)
 """
 doctest_test_doctest_blocks = "default"
 
