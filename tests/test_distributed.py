@@ -4,14 +4,13 @@ loss on the concatenated batch, and its gradient, for every loss (float64, 1e-6 
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 
 from contrastive_losses import functional as CF
 from contrastive_losses.distributed import resolve_gather
@@ -69,17 +68,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_ranks(_worker, out)
 
 
 @pytest.mark.parametrize("name", list(_losses(gather=False)))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,8 @@ import reference as ref
 import reference_svr as ref_svr
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import F64, randn, random_mask, spawn_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -31,18 +30,6 @@ from contrastive_losses import (
     sample_languages,
 )
 from contrastive_losses import functional as CF
-
-F64 = torch.float64
-
-
-def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
-
-def random_mask(gen: torch.Generator, b: int, k: int, p: float = 0.6) -> torch.Tensor:
-    mask = torch.rand(b, k, generator=gen) < p
-    mask[:, 0] = True
-    return mask
 
 
 def randomise(module: nn.Module, seed: int = 0, std: float = 0.3) -> nn.Module:
@@ -692,17 +679,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("svr_dist")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_ranks(_worker, out)
 
 
 @pytest.mark.parametrize("name", list(_dist_cases()))

@@ -34,14 +34,6 @@ RADIUS_MODES = ("static", "dynamic")
 DIRECTIONS = ("bi", "uni")
 
 
-def _check_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-    return value
-
-
 class RadiusPredictor(nn.Module):
     r"""The dynamic semantic radius of SupCLAP: a 3-layer MLP from an anchor's similarity
     row to its radius :math:`R_i`.
@@ -83,8 +75,8 @@ class RadiusPredictor(nn.Module):
 
     def __init__(self, num_features: int = 32, hidden: int = 64, radius_init: float = 0.1) -> None:
         super().__init__()
-        self.num_features = _check_int(num_features, "num_features", 2)
-        _check_int(hidden, "hidden", 1)
+        self.num_features = _checks.check_int(num_features, "num_features", 2)
+        _checks.check_int(hidden, "hidden", 1)
         _checks.check_non_negative(radius_init, "radius_init")
         last = nn.Linear(hidden, 1)
         nn.init.zeros_(last.weight)
