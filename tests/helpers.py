@@ -36,3 +36,23 @@ def spawn_ranks(worker: Callable[..., None], out_dir: Path, world: int = 2) -> l
     ``out_dir/rank{r}.pt``. Returns the loaded results in rank order."""
     mp.spawn(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
+
+
+RANK_SIZES = (5, 3)  # uneven on purpose: the last batch of an epoch
+
+
+def rank_data(k: int = 3, d: int = 4) -> dict[str, torch.Tensor]:
+    """The global batch that the 2-process tests split by ``RANK_SIZES``."""
+    g = torch.Generator().manual_seed(0)
+    n = sum(RANK_SIZES)
+    return {
+        "audio": randn(g, n, d),
+        "text": randn(g, n, k, d),
+        "mask": random_mask(g, n, k, p=0.6),
+        "ids": torch.tensor([0, 1, 2, 3, 0, 4, 2, 5]),
+    }
+
+
+def rank_rows(rank: int) -> slice:
+    lo = sum(RANK_SIZES[:rank])
+    return slice(lo, lo + RANK_SIZES[rank])

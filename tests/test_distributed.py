@@ -10,26 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import spawn_ranks
+from helpers import RANK_SIZES, rank_data, rank_rows, spawn_ranks
 
 from contrastive_losses import functional as CF
 from contrastive_losses.distributed import resolve_gather
-
-SIZES = (5, 3)
-K, D = 3, 4
-
-
-def _data() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    n = sum(SIZES)
-    mask = torch.rand(n, K, generator=g) < 0.6
-    mask[:, 0] = True
-    return {
-        "audio": torch.randn(n, D, generator=g, dtype=torch.float64),
-        "text": torch.randn(n, K, D, generator=g, dtype=torch.float64),
-        "mask": mask,
-        "ids": torch.tensor([0, 1, 2, 3, 0, 4, 2, 5]),
-    }
 
 
 def _losses(gather: bool):
@@ -51,9 +35,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        data = _data()
-        lo = sum(SIZES[:rank])
-        rows = slice(lo, lo + SIZES[rank])
+        data = rank_data()
+        rows = rank_rows(rank)
         results = {"auto_gather": resolve_gather(None)}
         for name, fn in _losses(gather=True).items():
             a = data["audio"][rows].clone().requires_grad_()
@@ -76,12 +59,12 @@ def rank_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(_losses(gather=False)))
 def test_gathered_loss_and_grads_match_single_process(rank_results, name):
-    data = _data()
+    data = rank_data()
     a = data["audio"].clone().requires_grad_()
     t = data["text"].clone().requires_grad_()
     loss = _losses(gather=False)[name](a, t, data["mask"], data["ids"])
     loss.backward()
-    world = len(SIZES)
+    world = len(RANK_SIZES)
     # DDP averages over ranks: the mean of the rank losses is the global loss ...
     mean_loss = sum(r[name][0] for r in rank_results) / world
     torch.testing.assert_close(mean_loss, loss.detach(), rtol=1e-6, atol=0)
