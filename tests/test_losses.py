@@ -447,3 +447,24 @@ def test_half_precision_norm_overflow_is_handled():
     a[1, 0] = -300.0
     t = torch.randn(3, 8, dtype=torch.float16)
     assert torch.isfinite(CF.info_nce(a, t)).all()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_kcl_fused_normalisation_equals_plain_path(gen, masked):
+    """The fast path (scores scaled by 1/||t||) against normalise-then-matmul, fwd + bwd."""
+    a1, t1 = randn(gen, 6, 5).requires_grad_(), randn(gen, 6, 3, 5).requires_grad_()
+    a2, t2 = a1.detach().clone().requires_grad_(), t1.detach().clone().requires_grad_()
+    mask = random_mask(gen, 6, 3) if masked else None
+    fast = CF.kcl(a1, t1, 0.1, mask=mask)
+    plain = CF.kcl(
+        torch.nn.functional.normalize(a2, dim=-1),
+        torch.nn.functional.normalize(t2, dim=-1),
+        0.1,
+        mask=mask,
+        normalize=False,
+    )
+    torch.testing.assert_close(fast, plain)
+    fast.backward()
+    plain.backward()
+    torch.testing.assert_close(a1.grad, a2.grad)
+    torch.testing.assert_close(t1.grad, t2.grad)
