@@ -5,6 +5,19 @@ Public names only; the maths lives in :mod:`contrastive_losses.functional`.
 
 from __future__ import annotations
 
+from . import distributed, functional
+from .functional import sample_languages
+from .losses import CACLLoss, ContrastivePair, InfoNCELoss, KCLLoss, SigLIPLoss
+
 __version__ = "0.1.0"
 
-__all__: list[str] = []
+__all__ = [
+    "CACLLoss",
+    "ContrastivePair",
+    "InfoNCELoss",
+    "KCLLoss",
+    "SigLIPLoss",
+    "distributed",
+    "functional",
+    "sample_languages",
+]

@@ -65,7 +65,9 @@ def check_embeddings(
     """
     x = check_tensor(x, name)
     if x.dim() != ndim:
-        raise ValueError(f"{name}: expected shape {dims}, got {x.dim()}-d tensor of shape {_shape(x)}")
+        raise ValueError(
+            f"{name}: expected shape {dims}, got {x.dim()}-d tensor of shape {_shape(x)}"
+        )
     check_float(x, name)
     if x.shape[0] < min_batch:
         raise ValueError(

@@ -1,0 +1,567 @@
+r"""The maths of every loss as pure functions.
+
+Modules in :mod:`contrastive_losses.losses` hold hyperparameters and learnable
+parameters and call these functions. Every function
+
+* takes raw embeddings and L2-normalises them (``normalize=True``),
+* validates its inputs (shapes, dtypes, devices, NaN/Inf, zero vectors) and raises a
+  ``ValueError``/``TypeError`` naming the argument,
+* returns a scalar for ``reduction="mean"``/``"sum"`` and per-sample losses for ``"none"``,
+* returns ``(loss, terms)`` with ``return_terms=True``, ``terms`` a dict of detached
+  tensors for logging,
+* with ``gather`` on (default: when ``torch.distributed`` runs with world size > 1)
+  computes this rank's rows against the batch of all ranks; see
+  :mod:`contrastive_losses.distributed` for the scaling of the returned loss.
+
+Notation: ``B`` batch, ``K`` languages (captions per clip), ``D`` embedding dim,
+:math:`s(u, v) = \langle u, v\rangle / \tau` on normalised embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks
+from .distributed import all_gather_no_grad, all_gather_with_grad, resolve_gather
+
+__all__ = ["cacl", "info_nce", "kcl", "sample_languages", "siglip"]
+
+Terms = dict[str, Tensor]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _embeddings(x: object, name: str, dims: str, normalize: bool) -> Tensor:
+    x = _checks.check_embeddings(x, name, ndim=dims.count(",") + 1, dims=dims)
+    return F.normalize(x, dim=-1) if normalize else x
+
+
+def _temperature(temperature: float | Tensor) -> None:
+    _checks.check_positive(temperature, "temperature")
+
+
+@dataclass
+class _Batch:
+    """This rank's rows and the global batch they are contrasted with.
+
+    Without gathering ``local is glob`` and ``offset == 0``. ``world`` scales the
+    reduced loss so that its mean over ranks is the single-process loss.
+    """
+
+    offset: int
+    n_global: int
+    world: int
+
+
+def _gather(x: Tensor, enabled: bool) -> tuple[Tensor, int]:
+    return all_gather_with_grad(x) if enabled else (x, 0)
+
+
+def _batch(offset: int, n_global: int, enabled: bool) -> _Batch:
+    world = torch.distributed.get_world_size() if enabled else 1
+    return _Batch(offset=offset, n_global=n_global, world=world)
+
+
+def _reduce(per_sample: Tensor, reduction: str, count: Tensor | int, batch: _Batch) -> Tensor:
+    """Reduce per-sample losses; ``count`` is the global number of samples for "mean"."""
+    if reduction == "none":
+        return per_sample
+    total = per_sample.sum() * batch.world
+    if reduction == "sum":
+        return total
+    return total / count
+
+
+def _multi_positive_ce(logits: Tensor, positives: Tensor) -> Tensor:
+    r"""Per-row :math:`-\frac{1}{|P_i|}\sum_{p \in P_i} \log \mathrm{softmax}(z_i)_p`.
+
+    The supervised-contrastive "average outside the log" form: with one positive per row
+    it is plain cross-entropy.
+    """
+    log_prob = logits - logits.logsumexp(dim=1, keepdim=True)  # (b, N)
+    pos = positives.to(log_prob.dtype)
+    return -(log_prob * pos).sum(dim=1) / pos.sum(dim=1)
+
+
+def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
+    _checks.check_same_size(a, a_name, b, b_name, 0, "batch size B")
+    _checks.check_same_size(a, a_name, b, b_name, -1, "embedding dim D")
+    _checks.check_same_device_dtype([(a, a_name), (b, b_name)])
+
+
+def _info_nce_rows(
+    a: Tensor,
+    t: Tensor,
+    temperature: float | Tensor,
+    ids: Tensor | None,
+    gather: bool,
+) -> tuple[Tensor, Tensor, _Batch]:
+    """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each."""
+    b = a.shape[0]
+    if not gather:
+        logits = a @ t.T / temperature  # (B, B)
+        if ids is None:
+            target = torch.arange(b, device=a.device)
+            a2t = F.cross_entropy(logits, target, reduction="none")
+            t2a = F.cross_entropy(logits.T, target, reduction="none")
+        else:
+            same = ids[:, None] == ids[None, :]  # (B, B), symmetric
+            a2t = _multi_positive_ce(logits, same)
+            t2a = _multi_positive_ce(logits.T, same)
+        return a2t, t2a, _batch(0, b, False)
+
+    a_all, offset = all_gather_with_grad(a)  # (N, D)
+    t_all, _ = all_gather_with_grad(t)
+    logits_a2t = a @ t_all.T / temperature  # (b, N)
+    logits_t2a = t @ a_all.T / temperature  # (b, N)
+    if ids is None:
+        target = torch.arange(offset, offset + b, device=a.device)
+        a2t = F.cross_entropy(logits_a2t, target, reduction="none")
+        t2a = F.cross_entropy(logits_t2a, target, reduction="none")
+    else:
+        same = ids[:, None] == all_gather_no_grad(ids)[None, :]  # (b, N)
+        a2t = _multi_positive_ce(logits_a2t, same)
+        t2a = _multi_positive_ce(logits_t2a, same)
+    return a2t, t2a, _batch(offset, a_all.shape[0], True)
+
+
+def _finish(loss: Tensor, terms: Terms, return_terms: bool) -> Tensor | tuple[Tensor, Terms]:
+    if return_terms:
+        return loss, {k: v.detach() for k, v in terms.items()}
+    return loss
+
+
+# --------------------------------------------------------------------------- InfoNCE
+
+
+def info_nce(
+    audio: Tensor,
+    text: Tensor,
+    temperature: float | Tensor = 0.07,
+    *,
+    ids: Tensor | None = None,
+    normalize: bool = True,
+    reduction: str = "mean",
+    gather: bool | None = None,
+    return_terms: bool = False,
+) -> Tensor | tuple[Tensor, Terms]:
+    r"""Symmetric InfoNCE (the CLIP / CLAP loss).
+
+    .. math::
+
+        \ell_i = \tfrac12\Big(
+            -\log \frac{e^{s(a_i, t_i)}}{\sum_j e^{s(a_i, t_j)}}
+            -\log \frac{e^{s(t_i, a_i)}}{\sum_j e^{s(t_i, a_j)}}\Big),
+        \qquad \mathcal{L} = \frac1B \sum_i \ell_i .
+
+    With ``ids``, every pair that shares an id is a positive (the same clip twice in a
+    batch is no false negative) and a row's loss is the mean over its positives of
+    :math:`-\log \mathrm{softmax}`, the supervised-contrastive form.
+
+    Args:
+        audio: audio embeddings ``(B, D)``.
+        text: text embeddings ``(B, D)``; ``text[i]`` is the positive of ``audio[i]``.
+        temperature: :math:`\tau > 0`, a float or a 0-d tensor (learnable).
+        ids: optional integer ``(B,)`` sample ids; equal ids are positives.
+        normalize: L2-normalise the inputs first.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-sample ``(B,)``).
+        gather: all-gather across ranks; ``None`` gathers when distributed.
+        return_terms: also return ``{"loss_a2t", "loss_t2a"}``.
+
+    Shape:
+        audio ``(B, D)``, text ``(B, D)``, ids ``(B,)``; output scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import info_nce
+        >>> audio, text = torch.randn(8, 32), torch.randn(8, 32)
+        >>> info_nce(audio, text, temperature=0.07).shape
+        torch.Size([])
+    """
+    _checks.check_reduction(reduction)
+    _temperature(temperature)
+    a = _embeddings(audio, "audio", "(B, D)", normalize)
+    t = _embeddings(text, "text", "(B, D)", normalize)
+    _check_pair(a, "audio", t, "text")
+    if ids is not None:
+        ids = _checks.check_ids(ids, "ids", a.shape[0], a)
+    enabled = resolve_gather(gather)
+    a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled)
+    loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
+    terms = {
+        "loss_a2t": _reduce(a2t, "mean", batch.n_global, batch),
+        "loss_t2a": _reduce(t2a, "mean", batch.n_global, batch),
+    }
+    return _finish(loss, terms, return_terms)
+
+
+# --------------------------------------------------------------------------- SigLIP
+
+
+def siglip(
+    audio: Tensor,
+    text: Tensor,
+    scale: float | Tensor = 10.0,
+    bias: float | Tensor = -10.0,
+    *,
+    ids: Tensor | None = None,
+    normalize: bool = True,
+    reduction: str = "mean",
+    gather: bool | None = None,
+    return_terms: bool = False,
+) -> Tensor | tuple[Tensor, Terms]:
+    r"""Pairwise sigmoid loss (SigLIP, Zhai et al. 2023).
+
+    .. math::
+
+        \mathcal{L} = -\frac1B \sum_{i=1}^B \sum_{j=1}^B
+            \log \sigma\big(z_{ij}\,(c\,\langle a_i, t_j\rangle + b)\big),
+        \qquad z_{ij} = \begin{cases} 1 & i, j \text{ positive} \\ -1 & \text{else}\end{cases}
+
+    with scale :math:`c` (SigLIP's :math:`t' = \log c` initialised at :math:`\log 10`)
+    and bias :math:`b` (initialised at :math:`-10`).
+
+    Args:
+        audio: ``(B, D)``.
+        text: ``(B, D)``.
+        scale: :math:`c > 0`, float or 0-d tensor.
+        bias: :math:`b`, float or 0-d tensor.
+        ids: optional ``(B,)``; equal ids are positives.
+        normalize: L2-normalise the inputs first.
+        reduction: ``"mean"`` (sum over pairs / B), ``"sum"``, or ``"none"`` (row sums ``(B,)``).
+        gather: all-gather across ranks (this rank's audio rows against all texts).
+        return_terms: also return ``{"scale", "bias"}``.
+
+    Shape:
+        audio ``(B, D)``, text ``(B, D)``; output scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import siglip
+        >>> siglip(torch.randn(8, 16), torch.randn(8, 16)).shape
+        torch.Size([])
+    """
+    _checks.check_reduction(reduction)
+    _checks.check_positive(scale, "scale")
+    if isinstance(bias, Tensor) and bias.numel() != 1:
+        raise ValueError(f"bias: expected a scalar, got shape {tuple(bias.shape)}")
+    a = _embeddings(audio, "audio", "(B, D)", normalize)
+    t = _embeddings(text, "text", "(B, D)", normalize)
+    _check_pair(a, "audio", t, "text")
+    if ids is not None:
+        ids = _checks.check_ids(ids, "ids", a.shape[0], a)
+    enabled = resolve_gather(gather)
+    t_all, offset = _gather(t, enabled)
+    logits = scale * (a @ t_all.T) + bias  # (b, N)
+    if ids is None:
+        rows = torch.arange(a.shape[0], device=a.device)
+        positive = torch.zeros_like(logits, dtype=torch.bool)
+        positive[rows, rows + offset] = True
+    else:
+        ids_all = all_gather_no_grad(ids) if enabled else ids
+        positive = ids[:, None] == ids_all[None, :]
+    signs = positive.to(logits.dtype) * 2 - 1
+    per_row = -F.logsigmoid(signs * logits).sum(dim=1)  # (b,)
+    batch = _batch(offset, t_all.shape[0], enabled)
+    loss = _reduce(per_row, reduction, batch.n_global, batch)
+    terms = {"scale": torch.as_tensor(scale), "bias": torch.as_tensor(bias)}
+    return _finish(loss, terms, return_terms)
+
+
+# --------------------------------------------------------------------------- KCL
+
+
+def _text_and_mask(
+    audio: Tensor, text: object, mask: object | None, normalize: bool
+) -> tuple[Tensor, Tensor | None]:
+    t = _embeddings(text, "text", "(B, K, D)", normalize)
+    _check_pair(audio, "audio", t, "text")
+    if mask is not None:
+        mask = _checks.check_mask(mask, "mask", tuple(t.shape[:2]), t)
+    return t, mask
+
+
+def _per_language_ce(
+    scores: Tensor, row_mask: Tensor | None, col_mask: Tensor | None, offset: int
+) -> Tensor:
+    """Cross-entropy of each row against its language's candidates, positive at ``offset + r``.
+
+    ``scores`` is ``(K, b, N)``: row ``r`` of this rank against all ``N`` candidates of
+    language ``k``. Absent candidates leave the denominator; absent rows give 0.
+    """
+    if col_mask is not None:
+        # A finite fill, not -inf: a fully masked row must stay NaN-free in backward.
+        scores = scores.masked_fill(~col_mask[:, None, :], torch.finfo(scores.dtype).min)
+    positive = scores.diagonal(offset=offset, dim1=1, dim2=2)  # (K, b)
+    loss = scores.logsumexp(dim=-1) - positive  # (K, b)
+    return loss if row_mask is None else loss * row_mask
+
+
+def kcl(
+    audio: Tensor,
+    text: Tensor,
+    temperature: float | Tensor = 0.07,
+    *,
+    mask: Tensor | None = None,
+    negatives: str = "per_language",
+    normalize: bool = True,
+    reduction: str = "mean",
+    gather: bool | None = None,
+    return_terms: bool = False,
+) -> Tensor | tuple[Tensor, Terms]:
+    r"""1-to-K contrastive loss (KCL, ATRI Eq. 9–11): one audio, K captions in K languages.
+
+    ``negatives="per_language"`` (default, ATRI): for each language :math:`k` the
+    negatives of audio :math:`a_i` are the captions of language :math:`k` in the batch,
+    and vice versa,
+
+    .. math::
+
+        \mathcal{L}_{a2t} = -\sum_{k=1}^K \sum_{i=1}^N
+            \log \frac{e^{s(a_i, t_{ik})}}{\sum_j e^{s(a_i, t_{jk})}}, \quad
+        \mathcal{L}_{t2a} = -\sum_{k=1}^K \sum_{i=1}^N
+            \log \frac{e^{s(t_{ik}, a_i)}}{\sum_j e^{s(t_{ik}, a_j)}}, \quad
+        \mathcal{L} = \frac{\mathcal{L}_{a2t} + \mathcal{L}_{t2a}}{2NK},
+
+    i.e. the mean over languages of the symmetric InfoNCE. ``negatives="all_languages"``
+    (Nie et al. 2024) contrasts each audio with all :math:`NK` captions, its own K all
+    positive (mean of :math:`-\log\mathrm{softmax}` over them), and each caption with
+    all :math:`N` audios.
+
+    A ``mask`` marks present captions: an absent caption :math:`(j, k)` leaves every
+    numerator and denominator (per language, the loss is InfoNCE on the present pairs)
+    and the normaliser counts present pairs only. With ``K = 1`` this is
+    :func:`info_nce`.
+
+    Args:
+        audio: ``(B, D)``.
+        text: ``(B, K, D)``; ``text[i, k]`` is the caption of clip ``i`` in language ``k``.
+        temperature: :math:`\tau > 0`.
+        mask: optional bool ``(B, K)``; ``True`` where the caption exists. Every clip
+            needs at least one caption.
+        negatives: ``"per_language"`` or ``"all_languages"``.
+        normalize: L2-normalise the inputs first.
+        reduction: ``"mean"``, ``"sum"``, or ``"none"``: per pair ``(B, K)``, the mean of
+            its a->t and t->a terms, 0 where absent.
+        gather: all-gather across ranks.
+        return_terms: also return ``{"loss_a2t", "loss_t2a", "loss_per_language"}``.
+
+    Shape:
+        audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``; output scalar or ``(B, K)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import kcl
+        >>> audio, text = torch.randn(4, 16), torch.randn(4, 3, 16)
+        >>> mask = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1], [1, 1, 1]]).bool()
+        >>> kcl(audio, text, mask=mask).shape
+        torch.Size([])
+    """
+    _checks.check_reduction(reduction)
+    _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
+    _temperature(temperature)
+    a = _embeddings(audio, "audio", "(B, D)", normalize)
+    t, m = _text_and_mask(a, text, mask, normalize)
+    enabled = resolve_gather(gather)
+    b, k_langs, dim = t.shape
+    a_all, offset = _gather(a, enabled)
+    t_all, _ = _gather(t, enabled)
+    m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
+    batch = _batch(offset, a_all.shape[0], enabled)
+    row_mask = None if m is None else m.T  # (K, b)
+    col_mask = None if m_all is None else m_all.T  # (K, N)
+
+    if negatives == "per_language":
+        if enabled:
+            # (K, b, N): this rank's captions against all audio, and its audio against
+            # all captions of the same language.
+            t2a_scores = (t.transpose(0, 1) @ a_all.T) / temperature
+            a2t_scores = (a @ t_all.reshape(-1, dim).T).reshape(b, -1, k_langs)
+            a2t_scores = a2t_scores.permute(2, 0, 1) / temperature
+        else:
+            # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
+            t2a_scores = (t.reshape(-1, dim) @ a.T).reshape(b, k_langs, b).transpose(0, 1)
+            t2a_scores = t2a_scores / temperature
+            a2t_scores = t2a_scores.transpose(1, 2)
+        a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
+        t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
+    else:
+        a2t_logits = a @ t_all.reshape(-1, dim).T / temperature  # (b, N*K)
+        own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)
+        own[torch.arange(b, device=a.device), torch.arange(b, device=a.device) + offset] = True
+        positives = own[:, :, None].expand(-1, -1, k_langs)  # (b, N, K)
+        if m_all is not None:
+            a2t_logits = a2t_logits.masked_fill(
+                ~m_all.reshape(1, -1), torch.finfo(a2t_logits.dtype).min
+            )
+            positives = positives & m_all[None]
+        a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, -1))[:, None]  # (b, 1)
+        t2a_logits = t.reshape(-1, dim) @ a_all.T / temperature  # (b*K, N)
+        target = (torch.arange(b, device=a.device) + offset).repeat_interleave(k_langs)
+        t2a = F.cross_entropy(t2a_logits, target, reduction="none").reshape(b, k_langs)
+        a2t = a2t.expand(-1, k_langs)
+        if m is not None:
+            a2t, t2a = a2t * m, t2a * m
+
+    count: Tensor | int = b * k_langs if m_all is None else m_all.sum()
+    if enabled and m_all is None:
+        count = batch.n_global * k_langs
+    per_pair = (a2t + t2a) / 2  # (b, K)
+    loss = _reduce(per_pair, reduction, count, batch)
+    present = torch.ones_like(per_pair) if m_all is None else m_all.to(per_pair.dtype)
+    terms = {
+        "loss_a2t": _reduce(a2t, "mean", count, batch),
+        "loss_t2a": _reduce(t2a, "mean", count, batch),
+        # Each language's symmetric loss over its present pairs (local rows under gather).
+        "loss_per_language": per_pair.sum(0) / present[offset : offset + b].sum(0).clamp_min(1),
+    }
+    return _finish(loss, terms, return_terms)
+
+
+# --------------------------------------------------------------------------- CACL
+
+
+def _select_language(text: Tensor, index: Tensor) -> Tensor:
+    return text[torch.arange(text.shape[0], device=text.device), index]
+
+
+def cacl(
+    audio: Tensor,
+    english: Tensor,
+    other: Tensor,
+    temperature: float | Tensor = 0.07,
+    *,
+    normalize: bool = True,
+    reduction: str = "mean",
+    gather: bool | None = None,
+    return_terms: bool = False,
+) -> Tensor | tuple[Tensor, Terms]:
+    r"""Audio–English co-anchor contrastive loss (CACL, ATRI Eq. 12–13).
+
+    Three symmetric InfoNCE terms over the triplet (audio, English caption, caption in a
+    randomly drawn other language :math:`q_i`):
+
+    .. math::
+
+        \mathcal{L} = \frac{\mathcal{L}_{ae} + \mathcal{L}_{at} + \mathcal{L}_{et}}{6N},
+
+    where each :math:`\mathcal{L}_{xy}` is the sum over the batch of the two directional
+    InfoNCE terms between modalities :math:`x` and :math:`y`. It equals the mean of the
+    three symmetric :func:`info_nce` means. Draw :math:`q_i` with :func:`sample_languages`.
+
+    Args:
+        audio: ``(B, D)``.
+        english: English captions ``(B, D)``.
+        other: captions in the other language ``(B, D)``.
+        temperature: :math:`\tau > 0`.
+        normalize: L2-normalise the inputs first.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (``(B,)``, mean of the three terms).
+        gather: all-gather across ranks.
+        return_terms: also return ``{"loss_audio_english", "loss_audio_other",
+            "loss_english_other"}`` (each a symmetric InfoNCE mean).
+
+    Shape:
+        audio, english, other ``(B, D)``; output scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import cacl
+        >>> a, e, o = torch.randn(6, 16), torch.randn(6, 16), torch.randn(6, 16)
+        >>> cacl(a, e, o).shape
+        torch.Size([])
+    """
+    _checks.check_reduction(reduction)
+    _temperature(temperature)
+    a = _embeddings(audio, "audio", "(B, D)", normalize)
+    e = _embeddings(english, "english", "(B, D)", normalize)
+    o = _embeddings(other, "other", "(B, D)", normalize)
+    _check_pair(a, "audio", e, "english")
+    _check_pair(a, "audio", o, "other")
+    enabled = resolve_gather(gather)
+    per_sample: list[Tensor] = []
+    terms: Terms = {}
+    batch = _batch(0, a.shape[0], False)
+    for name, (x, y) in {
+        "loss_audio_english": (a, e),
+        "loss_audio_other": (a, o),
+        "loss_english_other": (e, o),
+    }.items():
+        x2y, y2x, batch = _info_nce_rows(x, y, temperature, None, enabled)
+        per_sample.append((x2y + y2x) / 2)
+        terms[name] = _reduce(per_sample[-1], "mean", batch.n_global, batch)
+    loss = _reduce(torch.stack(per_sample).mean(0), reduction, batch.n_global, batch)
+    return _finish(loss, terms, return_terms)
+
+
+def sample_languages(
+    mask_or_num_languages: Tensor | int,
+    batch_size: int | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    english_index: int = 0,
+    include_english: bool = False,
+) -> Tensor:
+    r"""Draw one language index per sample, uniformly among its present captions.
+
+    For CACL (:func:`cacl`) the draw excludes English (``include_english=False``): it is
+    ATRI's :math:`q_i`. For the ML-CLAP random-language baseline draw with
+    ``include_english=True`` and train :func:`info_nce` on the drawn captions::
+
+        idx = sample_languages(mask, include_english=True)
+        loss = info_nce(audio, text[torch.arange(len(idx)), idx])
+
+    Args:
+        mask_or_num_languages: a bool mask ``(B, K)`` of present captions, or ``K`` (all
+            present, then ``batch_size`` is required).
+        batch_size: ``B`` when passing ``K``.
+        generator: a ``torch.Generator`` for reproducible draws (on the mask's device).
+        english_index: the column of English.
+        include_english: draw among all present languages instead.
+
+    Returns:
+        ``(B,)`` long tensor of language indices.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import sample_languages
+        >>> g = torch.Generator().manual_seed(0)
+        >>> idx = sample_languages(8, batch_size=4, generator=g)
+        >>> bool((idx >= 1).all() and (idx < 8).all())
+        True
+    """
+    if isinstance(mask_or_num_languages, Tensor):
+        mask = mask_or_num_languages
+        if mask.dim() != 2 or mask.dtype != torch.bool:
+            raise ValueError(
+                "mask_or_num_languages: expected a bool (B, K) mask, got "
+                f"dtype {mask.dtype} shape {tuple(mask.shape)}"
+            )
+        if batch_size is not None and batch_size != mask.shape[0]:
+            raise ValueError(f"batch_size: {batch_size} does not match the mask's {mask.shape[0]}")
+    elif isinstance(mask_or_num_languages, int) and not isinstance(mask_or_num_languages, bool):
+        if batch_size is None or batch_size < 1:
+            raise ValueError(f"batch_size: a positive int is required with K, got {batch_size}")
+        device = generator.device if generator is not None else None
+        mask = torch.ones(batch_size, mask_or_num_languages, dtype=torch.bool, device=device)
+    else:
+        raise TypeError(
+            "mask_or_num_languages: expected a bool (B, K) tensor or an int K, got "
+            f"{type(mask_or_num_languages).__name__}"
+        )
+    k_langs = mask.shape[1]
+    if not 0 <= english_index < k_langs:
+        raise ValueError(f"english_index: {english_index} is outside [0, {k_langs})")
+    weights = mask.to(torch.float32)
+    if not include_english:
+        weights[:, english_index] = 0
+    empty = weights.sum(dim=1) == 0
+    if bool(empty.any()):
+        rows = torch.nonzero(empty).flatten().tolist()[:10]
+        what = "caption" if include_english else "non-English caption"
+        raise ValueError(f"mask_or_num_languages: sample(s) {rows} have no {what} to draw")
+    return torch.multinomial(weights, 1, generator=generator).squeeze(1)
