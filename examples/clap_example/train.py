@@ -33,7 +33,6 @@ from .data import (
     collate,
     eval_captions,
     pick,
-    random_present,
     read_manifest,
     require_language,
 )
@@ -154,7 +153,9 @@ def select_texts(
 
         return texts, langs, arrange_cacl
     if mode == "random":
-        column = random_present(mask, generator)
+        import contrastive_losses as cl
+
+        column = cl.sample_languages(mask, generator=generator, include_english=True)
     else:
         column = torch.full((b,), fixed_column, dtype=torch.long)
     texts = pick(captions, column)
@@ -447,6 +448,7 @@ class Trainer:
         input_ids = tokens["input_ids"].to(self.device)
         attention_mask = tokens["attention_mask"].to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         if self.grad_cache:
             loss, terms = self._grad_cache_backward(waveform, lengths, input_ids, attention_mask, arrange)
         else:
@@ -472,13 +474,18 @@ class Trainer:
             value /= self.world
         out: dict[str, float] = {"loss": float(value), "grad_norm": float(grad_norm)}
         for key, term in (terms or {}).items():
+            if isinstance(term, Tensor) and 1 < term.numel() <= 64:
+                names = self.languages if term.numel() == len(self.languages) else None
+                for i, v in enumerate(term.detach().float().reshape(-1).tolist()):
+                    out[f"terms/{key}/{names[i] if names else i}"] = v
+                continue
             number = to_float(term)
             if number is not None:
                 out[f"terms/{key}"] = number
         for name, param in self.loss_fn.named_parameters():
             if param.numel() == 1:
                 out[f"param/{name}"] = float(param.detach())
-        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["lr"] = lr
         out["captions"] = float(len(texts))
         return out
 
