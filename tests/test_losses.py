@@ -434,3 +434,28 @@ def test_device_mismatch_is_rejected_on_meta(gen):
     a, t, _ = _good(gen)
     with pytest.raises(ValueError, match="text: on device meta but audio is on cpu"):
         check_same_device_dtype([(a, "audio"), (t.to("meta"), "text")])
+
+
+# ------------------------------------------------------------------ fast paths
+
+
+def test_fused_normalize_equals_f_normalize_forward_and_backward(gen):
+    from contrastive_losses.functional import l2_normalize
+
+    x1 = randn(gen, 6, 3, 5).requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    w = randn(gen, 6, 3, 5)
+    y1, y2 = l2_normalize(x1), torch.nn.functional.normalize(x2, dim=-1)
+    torch.testing.assert_close(y1, y2)
+    (y1 * w).sum().backward()
+    (y2 * w).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+    assert torch.autograd.gradcheck(l2_normalize, (randn(gen, 4, 3).requires_grad_(),))
+
+
+def test_half_precision_norm_overflow_is_handled():
+    """float16 rows whose squared norm overflows still normalise (float32 norms)."""
+    a = torch.full((3, 8), 300.0, dtype=torch.float16)
+    a[1, 0] = -300.0
+    t = torch.randn(3, 8, dtype=torch.float16)
+    assert torch.isfinite(CF.info_nce(a, t)).all()

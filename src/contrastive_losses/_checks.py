@@ -50,6 +50,26 @@ def check_nonzero_rows(x: Tensor, name: str) -> None:
         )
 
 
+def check_row_norms(x: Tensor, name: str, *, nonzero: bool = True) -> Tensor:
+    """Return the L2 norms of ``x``'s rows (last dim), validating values on the way.
+
+    One reduction and one host sync cover both NaN/Inf and zero rows: a row with a NaN
+    has a NaN norm, a row with an Inf an infinite one. Only when something is off do we
+    look at ``x`` element-wise to say exactly what.
+    """
+    norms = torch.linalg.vector_norm(x.detach(), dim=-1)
+    ok = torch.isfinite(norms)
+    if nonzero:
+        ok &= norms > 0
+    if not bool(ok.all()):
+        check_finite(x, name)
+        if nonzero:
+            check_nonzero_rows(x, name)
+        # Finite values whose squares overflow (float16 > ~256): normalise in float32.
+        norms = torch.linalg.vector_norm(x.detach().float(), dim=-1).to(x.dtype)
+    return norms
+
+
 def check_embeddings(
     x: object,
     name: str,

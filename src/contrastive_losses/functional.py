@@ -36,9 +36,39 @@ Terms = dict[str, Tensor]
 # --------------------------------------------------------------------------- helpers
 
 
+class _L2Normalize(torch.autograd.Function):
+    """``x / ||x||`` with a two-pass backward, ``(g - y <g, y>) / ||x||``.
+
+    Autograd through ``F.normalize`` spends more time in the norm's backward than the
+    loss spends in its matmuls at small batch sizes (see benchmarks/bench_losses.py).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, inv_norm: Tensor) -> Tensor:
+        y = x * inv_norm.unsqueeze(-1)
+        ctx.save_for_backward(y, inv_norm)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        y, inv_norm = ctx.saved_tensors
+        radial = (grad.unsqueeze(-2) @ y.unsqueeze(-1)).squeeze(-1)  # row-wise <g, y>
+        out = torch.addcmul(grad, y, radial, value=-1)
+        return out.mul_(inv_norm.unsqueeze(-1)), None
+
+
+def l2_normalize(x: Tensor, norms: Tensor | None = None) -> Tensor:
+    """Unit-norm rows (last dim); ``norms`` are ``x``'s row norms if already computed."""
+    if norms is None:
+        norms = torch.linalg.vector_norm(x.detach(), dim=-1)
+    return _L2Normalize.apply(x, 1.0 / norms)
+
+
 def _embeddings(x: object, name: str, dims: str, normalize: bool) -> Tensor:
-    x = _checks.check_embeddings(x, name, ndim=dims.count(",") + 1, dims=dims)
-    return F.normalize(x, dim=-1) if normalize else x
+    """Validate an embedding input and (optionally) normalise it; one pass over ``x``."""
+    x = _checks.check_embeddings(x, name, ndim=dims.count(",") + 1, dims=dims, check_values=False)
+    norms = _checks.check_row_norms(x, name, nonzero=normalize)
+    return l2_normalize(x, norms) if normalize else x
 
 
 def _temperature(temperature: float | Tensor) -> None:
@@ -103,8 +133,9 @@ def _info_nce_rows(
 ) -> tuple[Tensor, Tensor, _Batch]:
     """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each."""
     b = a.shape[0]
+    a = a / temperature  # scale the (b, D) side, not the (b, N) logits
     if not gather:
-        logits = a @ t.T / temperature  # (B, B)
+        logits = a @ t.T  # (B, B)
         if ids is None:
             target = torch.arange(b, device=a.device)
             a2t = F.cross_entropy(logits, target, reduction="none")
@@ -117,8 +148,8 @@ def _info_nce_rows(
 
     a_all, offset = all_gather_with_grad(a)  # (N, D)
     t_all, _ = all_gather_with_grad(t)
-    logits_a2t = a @ t_all.T / temperature  # (b, N)
-    logits_t2a = t @ a_all.T / temperature  # (b, N)
+    logits_a2t = a @ t_all.T  # (b, N)
+    logits_t2a = t @ a_all.T  # (b, N)
     if ids is None:
         target = torch.arange(offset, offset + b, device=a.device)
         a2t = F.cross_entropy(logits_a2t, target, reduction="none")
@@ -369,6 +400,7 @@ def kcl(
     t, m = _text_and_mask(a, text, mask, normalize)
     enabled = resolve_gather(gather)
     b, k_langs, dim = t.shape
+    a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
     a_all, offset = _gather(a, enabled)
     t_all, _ = _gather(t, enabled)
     m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
@@ -380,18 +412,17 @@ def kcl(
         if enabled:
             # (K, b, N): this rank's captions against all audio, and its audio against
             # all captions of the same language.
-            t2a_scores = (t.transpose(0, 1) @ a_all.T) / temperature
+            t2a_scores = t.transpose(0, 1) @ a_all.T
             a2t_scores = (a @ t_all.reshape(-1, dim).T).reshape(b, -1, k_langs)
-            a2t_scores = a2t_scores.permute(2, 0, 1) / temperature
+            a2t_scores = a2t_scores.permute(2, 0, 1)
         else:
             # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
             t2a_scores = (t.reshape(-1, dim) @ a.T).reshape(b, k_langs, b).transpose(0, 1)
-            t2a_scores = t2a_scores / temperature
             a2t_scores = t2a_scores.transpose(1, 2)
         a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
         t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
     else:
-        a2t_logits = a @ t_all.reshape(-1, dim).T / temperature  # (b, N*K)
+        a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
         own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)
         own[torch.arange(b, device=a.device), torch.arange(b, device=a.device) + offset] = True
         positives = own[:, :, None].expand(-1, -1, k_langs)  # (b, N, K)
@@ -401,7 +432,7 @@ def kcl(
             )
             positives = positives & m_all[None]
         a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, -1))[:, None]  # (b, 1)
-        t2a_logits = t.reshape(-1, dim) @ a_all.T / temperature  # (b*K, N)
+        t2a_logits = t.reshape(-1, dim) @ a_all.T  # (b*K, N)
         target = (torch.arange(b, device=a.device) + offset).repeat_interleave(k_langs)
         t2a = F.cross_entropy(t2a_logits, target, reduction="none").reshape(b, k_langs)
         a2t = a2t.expand(-1, k_langs)

@@ -1,0 +1,26 @@
+"""Every Python block in README.md runs, in order, in one namespace."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_blocks_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README.md has no python example"
+    namespace: dict[str, object] = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)
+
+
+def test_readme_set_up_commands_are_the_ci_commands():
+    ci = (README.parent / ".ci" / "run").read_text()
+    set_up = README.read_text().split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    bash = re.findall(r"```bash\n(.*?)```", set_up, flags=re.S)
+    commands = [line for block in bash for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2, commands
+    for command in commands:
+        assert command in ci, f"{command!r} is in README but not in .ci/run"
