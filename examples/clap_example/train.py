@@ -523,11 +523,13 @@ class Trainer:
 
     @torch.no_grad()
     def embed_training_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Audio and caption embeddings of every training pair, identical on every rank.
+        """This rank's share of the training pairs, embedded with the current model.
 
         Audio: the first ``--max-seconds`` of each clip. Captions: all captions in the languages
-        the loss trains on (``--pair-language``, or all of them for ``random``). Each rank embeds
-        a shard; shards are gathered and put back in dataset order.
+        the loss trains on (``--pair-language``, or all of them for ``random``); every caption
+        is one bank row paired with its clip's audio and carrying the clip's id. Rank ``r``
+        embeds clips ``r, r + world, ...``; ``KnowledgeBank.build`` gathers the shards so every
+        rank ends with the same bank.
         """
         model = self.model
         was_training = model.training
@@ -544,27 +546,21 @@ class Trainer:
                     text_langs.append(lang)
                     owners.append(local)
         text = self._embed_texts(texts, text_langs)
-        owner_t = torch.tensor(owners, dtype=torch.long)
-        pair_audio = audio[owner_t]
-        pair_ids = torch.tensor([shard[i] for i in owners], dtype=torch.long)
-        if self.world > 1:
-            gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, (pair_audio.cpu(), text.cpu(), pair_ids))
-            pair_audio = torch.cat([g[0] for g in gathered])
-            text = torch.cat([g[1] for g in gathered])
-            pair_ids = torch.cat([g[2] for g in gathered])
-            order = torch.argsort(pair_ids, stable=True)
-            pair_audio, text, pair_ids = pair_audio[order], text[order], pair_ids[order]
+        owner_t = torch.tensor(owners, dtype=torch.long, device=audio.device)
+        ids = torch.tensor([shard[i] for i in owners], dtype=torch.long, device=audio.device)
         model.train(was_training)
-        return pair_audio.to(self.device), text.to(self.device), pair_ids.to(self.device)
+        return audio[owner_t], text, ids
 
     def build_bank(self, epoch: int) -> None:
+        """Fill (epoch 0) or refresh (every ``--ask-refresh-every`` epochs) the ASK bank."""
         bank = self.loss_fn.bank
         audio, text, ids = self.embed_training_pairs()
-        bank.build(audio, text, ids)
+        bank.build(audio, text, ids, gather=self.world > 1)
         self.bank_epoch = epoch
         if self.is_main:
-            print(f"[ask] knowledge bank built from {audio.shape[0]} training pairs before epoch {epoch + 1}")
+            what = "built" if epoch == 0 else "refreshed"
+            print(f"[ask] knowledge bank {what} from {len(bank)} training pairs "
+                  f"before epoch {epoch + 1}")
 
     def bank_due(self, epoch: int) -> bool:
         if self.bank_epoch is None:
@@ -748,6 +744,9 @@ class Trainer:
                 collate_fn=collate,
                 num_workers=args.workers,
                 pin_memory=self.device.type == "cuda",
+                # The loader draws its workers' base seed from this generator, not from the
+                # global RNG: creating the iterator after a resume must not shift dropout.
+                generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch),
             )
             bar = tqdm(
                 total=self.steps_per_epoch,
@@ -804,10 +803,27 @@ class Trainer:
             from .plots import plot_run
 
             plot_run(self.out)
-        result = {"step": self.step, "epoch": self.epoch, "best": self.best, "history": self.history}
+        result = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "best": self.best,
+            "history": self.history,
+            "world_size": self.world,
+            "ranks_in_sync": self.ranks_in_sync(),
+        }
         if self.is_main:
             (self.out / "summary.json").write_text(json.dumps(result, indent=2, default=str))
         return result
+
+    def ranks_in_sync(self) -> bool:
+        """Every rank holds bit-identical parameters (a DDP sanity check; True alone)."""
+        if self.world == 1:
+            return True
+        with torch.no_grad():
+            checksum = torch.stack([p.detach().double().sum() for p in self.params])
+        gathered = [torch.zeros_like(checksum) for _ in range(self.world)]
+        dist.all_gather(gathered, checksum)
+        return all(torch.equal(gathered[0], g) for g in gathered[1:])
 
     def _evaluate_and_select(self) -> dict[str, Any]:
         if not self.test_clips:
