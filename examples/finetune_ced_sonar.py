@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from clap_example.train import main  # noqa: E402
+from clap_example.train import main
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,8 @@ embedding of a shorter clip.
 
 Parameter names follow the Hugging Face ``mispeech/ced-{tiny,mini,small,base}`` checkpoints
 (``encoder.init_bn.*``, ``encoder.patch_embed.proj.*``, ``encoder.time_pos_embed``,
-``encoder.freq_pos_embed``, ``encoder.blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.*``,
+``encoder.freq_pos_embed``,
+``encoder.blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.*``,
 ``encoder.norm.*`` and the AudioSet head ``outputlayer.{0,1}.*``), so
 :func:`load_ced_checkpoint` loads their ``model.safetensors`` with ``strict`` key matching.
 """
@@ -147,6 +148,9 @@ class LogMelFrontEnd(nn.Module):
     window and filterbank are non-persistent buffers: they are not part of the checkpoints.
     """
 
+    window: Tensor
+    fbanks: Tensor
+
     def __init__(self, config: CEDConfig) -> None:
         super().__init__()
         if config.f_max > config.sample_rate / 2:
@@ -220,7 +224,9 @@ class PatchEmbed(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with a fused ``qkv`` projection and an optional key mask."""
 
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool, attn_drop: float, proj_drop: float):
+    def __init__(
+        self, dim: int, num_heads: int, qkv_bias: bool, attn_drop: float, proj_drop: float
+    ):
         super().__init__()
         if dim % num_heads != 0:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
@@ -309,7 +315,9 @@ class CEDModel(nn.Module):
         """``init_bn`` over the mel bands: ``(B, M, T)`` -> ``(B, 1, M, T)``."""
         return self.init_bn(log_mel.unsqueeze(2)).transpose(1, 2)
 
-    def forward_features(self, x: Tensor, frame_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward_features(
+        self, x: Tensor, frame_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """``x`` ``(B, 1, M, T <= target_length)`` -> tokens ``(B, F*Tp, D)`` and token mask.
 
         ``frame_mask`` ``(B, T)`` marks real (True) vs padded frames; a patch is real if all its
@@ -368,9 +376,7 @@ class CEDAudioEncoder(nn.Module):
 
     def forward(self, waveform: Tensor, lengths: Tensor | None = None) -> Tensor:
         if waveform.dim() != 2:
-            raise ValueError(
-                f"waveform: expected shape (B, S), got {tuple(waveform.shape)}"
-            )
+            raise ValueError(f"waveform: expected shape (B, S), got {tuple(waveform.shape)}")
         log_mel = self.front_end(waveform)  # (B, M, T)
         x = self.encoder.normalize(log_mel)  # (B, 1, M, T)
         total = x.shape[-1]
@@ -452,7 +458,9 @@ def _resolve_checkpoint_file(name_or_path: str | os.PathLike[str]) -> Path:
                 "(pip install 'contrastive-losses[examples]')"
             ) from err
         return Path(hf_hub_download(str(name_or_path), "model.safetensors"))
-    raise FileNotFoundError(f"ced checkpoint: {name_or_path} is neither a file, a directory nor a hub id")
+    raise FileNotFoundError(
+        f"ced checkpoint: {name_or_path} is neither a file, a directory nor a hub id"
+    )
 
 
 def read_state_dict(file: str | os.PathLike[str]) -> dict[str, Tensor]:
@@ -542,7 +550,9 @@ def load_ced_checkpoint(
             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}, "
             f"shape mismatches {wrong[:8]}"
         )
-    model.load_state_dict({k: v for k, v in state.items() if k in expected and k not in wrong}, strict=False)
+    model.load_state_dict(
+        {k: v for k, v in state.items() if k in expected and k not in wrong}, strict=False
+    )
     return ignored + unexpected
 
 
@@ -552,4 +562,4 @@ def num_parameters(module: nn.Module) -> int:
 
 def frames_for_seconds(seconds: float, hop_size: int = 160, sample_rate: int = SAMPLE_RATE) -> int:
     """Spectrogram frames of a clip of ``seconds`` (centred STFT)."""
-    return int(math.floor(seconds * sample_rate / hop_size)) + 1
+    return math.floor(seconds * sample_rate / hop_size) + 1

@@ -62,13 +62,17 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
                 except json.JSONDecodeError as err:
                     raise ManifestError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
                 if not isinstance(row, dict):
-                    raise ManifestError(f"{path}:{line_no}: expected a JSON object, got {row!r:.60}")
+                    raise ManifestError(
+                        f"{path}:{line_no}: expected a JSON object, got {row!r:.60}"
+                    )
                 rows.append((line_no, row))
         return rows
     with path.open(encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None:
-            raise ManifestError(f"{path}: empty file, expected a header {','.join(REQUIRED_COLUMNS)}")
+            raise ManifestError(
+                f"{path}: empty file, expected a header {','.join(REQUIRED_COLUMNS)}"
+            )
         missing = [c for c in REQUIRED_COLUMNS if c not in reader.fieldnames]
         if missing:
             raise ManifestError(
@@ -198,7 +202,7 @@ def load_audio(
         raise ManifestError(f"cannot read audio file {path}: {err}") from err
     start, stop = 0, info.frames
     if max_seconds is not None:
-        crop = int(round(max_seconds * info.samplerate))
+        crop = round(max_seconds * info.samplerate)
         if info.frames > crop:
             offset = int(rng.integers(0, info.frames - crop + 1)) if rng is not None else 0
             start, stop = offset, offset + crop
@@ -208,7 +212,7 @@ def load_audio(
     mono = wave.mean(axis=1)
     out = resample(mono, int(sr), target_sr)
     if max_seconds is not None:
-        out = out[: int(round(max_seconds * target_sr))]
+        out = out[: round(max_seconds * target_sr)]
     return np.ascontiguousarray(out, dtype=np.float32)
 
 

@@ -96,9 +96,7 @@ def load_mlclap_checkpoint(
     mapped, extras = mlclap_key_map(read_state_dict(path))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(mapped))
-    wrong = sorted(
-        k for k in set(mapped) & set(expected) if mapped[k].shape != expected[k].shape
-    )
+    wrong = sorted(k for k in set(mapped) & set(expected) if mapped[k].shape != expected[k].shape)
     if strict and (missing or wrong):
         raise ValueError(
             f"ML-CLAP checkpoint {path} does not fit the model: missing {missing[:8]}"

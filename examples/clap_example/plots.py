@@ -33,8 +33,8 @@ def plot_run(out_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(x, [row["loss"] for row in steps], label="loss", lw=1.5)
         for key in sorted({k for row in steps for k in row if k.startswith("terms/")}):
-            values = [row.get(key) for row in steps]
-            if any(v is not None for v in values):
+            values = [row.get(key, float("nan")) for row in steps]
+            if any(v == v for v in values):  # not all NaN
                 ax.plot(x, values, label=key.removeprefix("terms/"), lw=0.8, alpha=0.8)
         ax.set_xlabel("step")
         ax.set_ylabel("value")
@@ -46,13 +46,17 @@ def plot_run(out_dir: str | Path) -> list[Path]:
         plt.close(fig)
 
         params = sorted({k for row in steps for k in row if k.startswith("param/")})
-        fig, axes = plt.subplots(1, 1 + bool(params), figsize=(7 + 4 * bool(params), 3.5), squeeze=False)
+        fig, axes = plt.subplots(
+            1, 1 + bool(params), figsize=(7 + 4 * bool(params), 3.5), squeeze=False
+        )
         axes[0][0].plot(x, [row["lr"] for row in steps])
         axes[0][0].set_title("learning rate")
         axes[0][0].set_xlabel("step")
         if params:
             for key in params:
-                axes[0][1].plot(x, [row.get(key) for row in steps], label=key.removeprefix("param/"))
+                axes[0][1].plot(
+                    x, [row.get(key) for row in steps], label=key.removeprefix("param/")
+                )
             axes[0][1].set_title("loss parameters (temperature, radius, ...)")
             axes[0][1].set_xlabel("step")
             axes[0][1].legend(fontsize=7)

@@ -94,6 +94,8 @@ class SonarTextEncoder(nn.Module):
             included), as SONAR does (512 there; captions are far shorter).
     """
 
+    encoder: Any  # transformers M2M100Encoder (typed loosely: transformers is optional)
+
     def __init__(self, encoder: nn.Module, tokenizer: Any, max_length: int = 128) -> None:
         super().__init__()
         self.encoder = encoder
@@ -225,7 +227,7 @@ def _read_weights(directory: Path) -> dict[str, Tensor]:
 
 
 def load_sonar_tokenizer(name_or_path: str | os.PathLike[str]) -> Any:
-    """The NLLB tokenizer saved with the encoder (``tokenizer.json`` or ``sentencepiece.bpe.model``)."""
+    """The NLLB tokenizer saved with the encoder (``tokenizer.json`` or the sentencepiece file)."""
     from transformers import AutoTokenizer
 
     directory = _resolve_dir(name_or_path)

@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -50,7 +50,9 @@ ADJECTIVES = [("loud", "fort", "lauter"), ("soft", "doux", "leiser"), ("short", 
 LANGUAGES3 = ("eng_Latn", "fra_Latn", "deu_Latn")
 
 
-def synth_sound(kind: str, seconds: float, sample_rate: int, rng: np.random.Generator) -> np.ndarray:
+def synth_sound(
+    kind: str, seconds: float, sample_rate: int, rng: np.random.Generator
+) -> np.ndarray:
     """A few seconds of one sound class with random pitch/level, float32 in [-1, 1]."""
     n = int(seconds * sample_rate)
     t = np.arange(n) / sample_rate
@@ -119,17 +121,26 @@ def make_dataset(
             sf.write(str(path), wave, sr)
             n_caps = test_captions if split == "test" else 1
             for j, lang in enumerate(languages):
-                if split == "train" and drop_language_every and j == len(languages) - 1 and j >= 2 \
-                        and i % drop_language_every == drop_language_every - 1:
+                if (
+                    split == "train"
+                    and drop_language_every
+                    and j == len(languages) - 1
+                    and j >= 2
+                    and i % drop_language_every == drop_language_every - 1
+                ):
                     continue
                 for c in range(n_caps):
-                    adjective = int(rng.integers(len(ADJECTIVES))) if c == 0 else (c + i) % len(ADJECTIVES)
-                    rows[split].append({
-                        "audio_path": f"audio/{audio_id}.wav",
-                        "audio_id": audio_id,
-                        "caption": caption(kind, lang, adjective),
-                        "language": lang,
-                    })
+                    adjective = (
+                        int(rng.integers(len(ADJECTIVES))) if c == 0 else (c + i) % len(ADJECTIVES)
+                    )
+                    rows[split].append(
+                        {
+                            "audio_path": f"audio/{audio_id}.wav",
+                            "audio_id": audio_id,
+                            "caption": caption(kind, lang, adjective),
+                            "language": lang,
+                        }
+                    )
     train = directory / "train.csv"
     with train.open("w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["audio_path", "audio_id", "caption", "language"])
@@ -187,7 +198,7 @@ def train_nllb_tokenizer(
         for cut in range(1, len(piece))
         if piece[:cut] in vocab and piece[cut:] in vocab
     ]
-    tokenizer = NllbTokenizer(vocab=vocab, merges=merges)
+    tokenizer = NllbTokenizer(vocab=vocab, merges=cast(Any, merges))  # (left, right) pairs
     Path(directory).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(directory))
     return tokenizer

@@ -196,7 +196,9 @@ def init_distributed(device_arg: str) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def allreduce_gradients(params: Sequence[nn.Parameter], world: int, bucket_mb: float = 25.0) -> None:
+def allreduce_gradients(
+    params: Sequence[nn.Parameter], world: int, bucket_mb: float = 25.0
+) -> None:
     """Average gradients across ranks in flat buckets (used with GradCache instead of DDP hooks)."""
     if world == 1:
         return
@@ -336,7 +338,9 @@ class Trainer:
             require_language(self.train_clips, self.languages[0], "CACL", args.train_manifest)
         if self.mode == "fixed":
             require_language(
-                self.train_clips, args.pair_language, f"--pair-language {args.pair_language}",
+                self.train_clips,
+                args.pair_language,
+                f"--pair-language {args.pair_language}",
                 args.train_manifest,
             )
         self.test_clips: list[Clip] = []
@@ -345,12 +349,17 @@ class Trainer:
             eval_captions(self.test_clips, self.languages, args.test_manifest)  # validate early
         self.train_set = TrainDataset(self.train_clips, self.languages, args.max_seconds, args.seed)
         self.sampler = EpochBatchSampler(
-            len(self.train_set), args.batch_size, seed=args.seed, rank=self.rank, world_size=self.world
+            len(self.train_set),
+            args.batch_size,
+            seed=args.seed,
+            rank=self.rank,
+            world_size=self.world,
         )
         self.steps_per_epoch = len(self.sampler.batches())
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"--batch-size {args.batch_size}: the training set has {len(self.train_set)} clips, "
+                f"--batch-size {args.batch_size}: the training set has "
+                f"{len(self.train_set)} clips, "
                 f"fewer than one full batch per process ({self.world} process(es))"
             )
         self.total_steps = args.epochs * self.steps_per_epoch
@@ -367,7 +376,8 @@ class Trainer:
         self.ddp: DistributedDataParallel | None = None
         if self.world > 1 and not self.grad_cache:
             self.ddp = DistributedDataParallel(
-                self.trainable, device_ids=[self.device.index] if self.device.type == "cuda" else None
+                self.trainable,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
             )
         elif self.world > 1:
             broadcast_module(self.trainable)
@@ -380,7 +390,6 @@ class Trainer:
         )
         seed = args.seed * 1000 + self.rank
         random.seed(seed)
-        np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         self.lang_gen = torch.Generator().manual_seed(seed + 17)
 
@@ -448,9 +457,11 @@ class Trainer:
         input_ids = tokens["input_ids"].to(self.device)
         attention_mask = tokens["attention_mask"].to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        lr = float(self.scheduler.get_last_lr()[0])  # the rate this step uses
         if self.grad_cache:
-            loss, terms = self._grad_cache_backward(waveform, lengths, input_ids, attention_mask, arrange)
+            loss, terms = self._grad_cache_backward(
+                waveform, lengths, input_ids, attention_mask, arrange
+            )
         else:
             module = self.ddp if self.ddp is not None else self.trainable
             loss, terms = module(waveform, lengths, input_ids, attention_mask, arrange)
@@ -521,6 +532,11 @@ class Trainer:
 
     # --- ASK knowledge bank ---------------------------------------------------------------
 
+    @property
+    def bank(self) -> Any:
+        """The ASK loss's ``KnowledgeBank`` (held by reference, not a submodule)."""
+        return getattr(self.loss_fn, "bank")  # noqa: B009 - loss_fn is typed as a plain Module
+
     @torch.no_grad()
     def embed_training_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
         """This rank's share of the training pairs, embedded with the current model.
@@ -553,21 +569,23 @@ class Trainer:
 
     def build_bank(self, epoch: int) -> None:
         """Fill (epoch 0) or refresh (every ``--ask-refresh-every`` epochs) the ASK bank."""
-        bank = self.loss_fn.bank
+        bank = self.bank
         audio, text, ids = self.embed_training_pairs()
         bank.build(audio, text, ids, gather=self.world > 1)
         self.bank_epoch = epoch
         if self.is_main:
             what = "built" if epoch == 0 else "refreshed"
-            print(f"[ask] knowledge bank {what} from {len(bank)} training pairs "
-                  f"before epoch {epoch + 1}")
+            print(
+                f"[ask] knowledge bank {what} from {len(bank)} training pairs "
+                f"before epoch {epoch + 1}"
+            )
 
     def bank_due(self, epoch: int) -> bool:
         if self.bank_epoch is None:
             return True
         if epoch == self.bank_epoch:
             return False
-        return bool(self.loss_fn.bank.should_refresh(epoch))
+        return bool(self.bank.should_refresh(epoch))
 
     # --- evaluation -----------------------------------------------------------------------
 
@@ -593,7 +611,9 @@ class Trainer:
         out = []
         size = self.args.eval_batch_size
         for start in range(0, len(texts), size):
-            tokens = self.model.text.tokenize(texts[start : start + size], langs[start : start + size])
+            tokens = self.model.text.tokenize(
+                texts[start : start + size], langs[start : start + size]
+            )
             with self.trainable.autocast():
                 emb = self.model.encode_text(
                     tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
@@ -643,13 +663,12 @@ class Trainer:
             "args": vars(self.args),
         }
         if self.ask:
-            state["bank"] = self.loss_fn.bank.state_dict()
+            state["bank"] = self.bank.state_dict()
         return state
 
     def rng_state(self) -> dict[str, Any]:
         return {
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "lang_gen": self.lang_gen.get_state(),
@@ -699,7 +718,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.loss_fn.load_state_dict(state["loss"])
         if self.ask and "bank" in state:
-            self.loss_fn.bank.load_state_dict(state["bank"])
+            self.bank.load_state_dict(state["bank"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -713,7 +732,6 @@ class Trainer:
         if rng_file.is_file():
             rng = torch.load(rng_file, map_location="cpu", weights_only=False)
             random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
@@ -721,8 +739,10 @@ class Trainer:
         elif self.is_main:
             print(f"[resume] {rng_file} missing: RNG streams restart (not an exact resume)")
         if self.is_main:
-            print(f"[resume] from {directory}: step {self.step}, epoch {self.epoch + 1}, "
-                  f"batch {self.batch_in_epoch}")
+            print(
+                f"[resume] from {directory}: step {self.step}, epoch {self.epoch + 1}, "
+                f"batch {self.batch_in_epoch}"
+            )
         return self.step
 
     # --- the loop -------------------------------------------------------------------------
@@ -765,7 +785,11 @@ class Trainer:
                 self.batch_in_epoch += 1
                 losses.append(record["loss"])
                 if self.log is not None:
-                    row = {"step": self.step, "epoch": epoch + 1, "batch": self.batch_in_epoch}
+                    row: dict[str, Any] = {
+                        "step": self.step,
+                        "epoch": epoch + 1,
+                        "batch": self.batch_in_epoch,
+                    }
                     row.update(record)
                     row["step_time"] = time.time() - t0
                     self.log.write(row)
@@ -794,10 +818,14 @@ class Trainer:
             if self.is_main:
                 with (self.out / "epoch_log.jsonl").open("a", encoding="utf-8") as f:
                     f.write(json.dumps(summary) + "\n")
-                print(f"[epoch {epoch + 1}] " + ", ".join(
-                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in summary.items() if k != "metrics"
-                ))
+                print(
+                    f"[epoch {epoch + 1}] "
+                    + ", ".join(
+                        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in summary.items()
+                        if k != "metrics"
+                    )
+                )
             self.save_checkpoint()
         if self.is_main and args.plots:
             from .plots import plot_run
@@ -839,9 +867,14 @@ class Trainer:
                 best = self.out / "best"
                 best.mkdir(exist_ok=True)
                 torch.save(
-                    {"model": self.model.state_dict(), "loss": self.loss_fn.state_dict(),
-                     "step": self.step, "epoch": self.epoch + 1, "metrics": metrics,
-                     "args": vars(self.args)},
+                    {
+                        "model": self.model.state_dict(),
+                        "loss": self.loss_fn.state_dict(),
+                        "step": self.step,
+                        "epoch": self.epoch + 1,
+                        "metrics": metrics,
+                        "args": vars(self.args),
+                    },
                     best / "state.pt",
                 )
                 (best / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -856,14 +889,22 @@ class Trainer:
 def _is_r1(key: str) -> bool:
     lowered = key.lower().replace("@", "")
     parts = lowered.split("/")
-    return any(part in ("r1", "recall1", "r_1") for part in parts) and "mean" not in parts and "average" not in parts
+    return (
+        any(part in ("r1", "recall1", "r_1") for part in parts)
+        and "mean" not in parts
+        and "average" not in parts
+    )
 
 
 class _Trainable(nn.Module):
     """Model + loss in one module, so DDP synchronises the loss's parameters too."""
 
     def __init__(
-        self, model: ClapModel, loss_fn: nn.Module, amp_dtype: torch.dtype | None, device: torch.device
+        self,
+        model: ClapModel,
+        loss_fn: nn.Module,
+        amp_dtype: torch.dtype | None,
+        device: torch.device,
     ) -> None:
         super().__init__()
         self.model = model

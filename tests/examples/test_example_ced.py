@@ -46,11 +46,18 @@ def hf_ced_keys(depth: int, with_head: bool = True) -> list[str]:
         ):  # fmt: skip
             keys.append(f"encoder.blocks.{i}.{name}")
     if with_head:
-        keys += ["outputlayer.0.weight", "outputlayer.0.bias", "outputlayer.1.weight", "outputlayer.1.bias"]
+        keys += [
+            "outputlayer.0.weight",
+            "outputlayer.0.bias",
+            "outputlayer.1.weight",
+            "outputlayer.1.bias",
+        ]
     return keys
 
 
-def fake_hf_checkpoint(path: Path, dim: int, depth: int, classes: int = 7) -> dict[str, torch.Tensor]:
+def fake_hf_checkpoint(
+    path: Path, dim: int, depth: int, classes: int = 7
+) -> dict[str, torch.Tensor]:
     """A ``model.safetensors`` with the HF key names and shapes of a (tiny) CED."""
     g = torch.Generator().manual_seed(1)
     shapes = {
@@ -90,7 +97,9 @@ def fake_hf_checkpoint(path: Path, dim: int, depth: int, classes: int = 7) -> di
 # --- front end ----------------------------------------------------------------------------------
 
 
-def reference_htk_filterbank(n_freqs: int, f_min: float, f_max: float, n_mels: int, sr: int) -> np.ndarray:
+def reference_htk_filterbank(
+    n_freqs: int, f_min: float, f_max: float, n_mels: int, sr: int
+) -> np.ndarray:
     """Plain loops over the HTK triangular filter definition."""
 
     def mel(f: float) -> float:
@@ -99,7 +108,9 @@ def reference_htk_filterbank(n_freqs: int, f_min: float, f_max: float, n_mels: i
     def hz(m: float) -> float:
         return 700.0 * (10.0 ** (m / 2595.0) - 1.0)
 
-    edges = [hz(mel(f_min) + (mel(f_max) - mel(f_min)) * i / (n_mels + 1)) for i in range(n_mels + 2)]
+    edges = [
+        hz(mel(f_min) + (mel(f_max) - mel(f_min)) * i / (n_mels + 1)) for i in range(n_mels + 2)
+    ]
     out = np.zeros((n_freqs, n_mels))
     for k in range(n_freqs):
         f = k * (sr / 2) / (n_freqs - 1)
@@ -128,7 +139,9 @@ def test_front_end_shape_peak_band_and_floor() -> None:
     assert log_mel.shape == (1, 64, 1 + int(sr * seconds) // 160)
     band = int(log_mel[0, :, 50].argmax())
     fb = mel_filterbank(257, 0.0, 8000.0, 64, 16000)
-    assert band == int(fb[round(freq / (sr / 2) * 256)].argmax())  # the band whose filter peaks at 1 kHz
+    assert band == int(
+        fb[round(freq / (sr / 2) * 256)].argmax()
+    )  # the band whose filter peaks at 1 kHz
     assert float(log_mel.max() - log_mel.min()) <= 120.0 + 1e-4  # top_db floor
     silent = front(torch.zeros(1, 1600))
     assert torch.isfinite(silent).all()
@@ -167,7 +180,9 @@ def test_loads_fake_hf_checkpoint_strictly(tmp_path: Path) -> None:
     bare = CEDAudioEncoder(CEDConfig(**TINY))
     ignored = load_ced_checkpoint(bare, file)
     assert ignored == sorted(k for k in state if k.startswith("outputlayer."))
-    torch.testing.assert_close(bare.encoder.blocks[1].mlp.fc2.weight, state["encoder.blocks.1.mlp.fc2.weight"])
+    torch.testing.assert_close(
+        bare.encoder.blocks[1].mlp.fc2.weight, state["encoder.blocks.1.mlp.fc2.weight"]
+    )
 
 
 def test_checkpoint_mismatch_is_a_clear_error(tmp_path: Path) -> None:
@@ -202,7 +217,9 @@ def test_position_embeddings_are_cropped_to_a_shorter_target(tmp_path: Path) -> 
     state = fake_hf_checkpoint(file, dim=32, depth=2)
     model = CEDAudioEncoder(CEDConfig(**TINY, target_length=512))  # 32 time patches
     load_ced_checkpoint(model, file)
-    torch.testing.assert_close(model.encoder.time_pos_embed, state["encoder.time_pos_embed"][..., :32])
+    torch.testing.assert_close(
+        model.encoder.time_pos_embed, state["encoder.time_pos_embed"][..., :32]
+    )
 
 
 def test_padding_does_not_change_the_embedding() -> None:

@@ -65,7 +65,9 @@ def test_bad_rows_are_listed_with_line_numbers(tmp_path: Path, wav: Path) -> Non
         "a.wav,a,ok,en",
         "other.wav,a,conflict,fr",
     ])  # fmt: skip
-    with pytest.raises(ManifestError, match=r"line 2: empty or missing \['caption'\].*line 4: audio_id 'a'"):
+    with pytest.raises(
+        ManifestError, match=r"line 2: empty or missing \['caption'\].*line 4: audio_id 'a'"
+    ):
         read_manifest(manifest, LANGS)
 
 
@@ -82,7 +84,9 @@ def test_unknown_language_names_the_rows(tmp_path: Path, wav: Path) -> None:
 
 def test_missing_column_and_bad_json(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match=r"lacks column\(s\) \['language'\]"):
-        read_manifest(write_csv(tmp_path / "m.csv", ["audio_path,audio_id,caption", "a.wav,a,x"]), LANGS)
+        read_manifest(
+            write_csv(tmp_path / "m.csv", ["audio_path,audio_id,caption", "a.wav,a,x"]), LANGS
+        )
     bad = tmp_path / "m.jsonl"
     bad.write_text('{"audio_path": "a.wav"}\nnot json\n')
     with pytest.raises(ManifestError, match=r"m\.jsonl:2: not valid JSON"):
@@ -119,7 +123,9 @@ def test_load_audio_downmixes_resamples_and_crops(tmp_path: Path) -> None:
 
 
 def test_sampler_shards_cover_the_data_and_resume_mid_epoch() -> None:
-    shards = [EpochBatchSampler(10, 2, seed=3, rank=r, world_size=2, drop_last=False) for r in (0, 1)]
+    shards = [
+        EpochBatchSampler(10, 2, seed=3, rank=r, world_size=2, drop_last=False) for r in (0, 1)
+    ]
     for s in shards:
         s.set_epoch(1)
     seen = [i for s in shards for batch in s for i in batch]
@@ -135,7 +141,9 @@ def test_sampler_shards_cover_the_data_and_resume_mid_epoch() -> None:
     assert [len(b) for b in dropped] == [4, 4]
 
 
-def test_train_items_are_reproducible_and_collate_builds_the_mask(synthetic_data: dict[str, Path]) -> None:
+def test_train_items_are_reproducible_and_collate_builds_the_mask(
+    synthetic_data: dict[str, Path],
+) -> None:
     clips = read_manifest(synthetic_data["train"], LANGS)
     ds = TrainDataset(clips, LANGS, max_seconds=1.5, seed=0)
     ds.set_epoch(2)
@@ -146,7 +154,9 @@ def test_train_items_are_reproducible_and_collate_builds_the_mask(synthetic_data
     batch = collate([ds[i] for i in range(4)])
     assert batch["audio"].shape[0] == 4 and batch["mask"].shape == (4, 3)
     assert batch["mask"][3].tolist() == [True, True, False]  # every 4th clip lacks German
-    assert batch["lengths"].tolist() == [item.shape[0] for item in (ds[i]["audio"] for i in range(4))]
+    assert batch["lengths"].tolist() == [
+        item.shape[0] for item in (ds[i]["audio"] for i in range(4))
+    ]
 
 
 def test_eval_captions_are_dense_and_complete(synthetic_data: dict[str, Path]) -> None:

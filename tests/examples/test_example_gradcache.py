@@ -17,6 +17,7 @@ from clap_example.gradcache import (
 from clap_example.model import ClapModel
 from clap_example.sonar import load_sonar_encoder
 from clap_example.train import select_texts
+
 from contrastive_losses import KCLLoss
 
 LANGS = ["eng_Latn", "fra_Latn", "deu_Latn"]
@@ -33,7 +34,11 @@ def build(sonar_dir: Path, dropout: float) -> tuple[ClapModel, KCLLoss]:
     audio = CEDAudioEncoder(CEDConfig(embed_dim=32, depth=1, num_heads=2, drop_rate=dropout))
     text = load_sonar_encoder(
         sonar_dir,
-        config_overrides={"dropout": dropout, "attention_dropout": dropout, "activation_dropout": dropout},
+        config_overrides={
+            "dropout": dropout,
+            "attention_dropout": dropout,
+            "activation_dropout": dropout,
+        },
     )
     model = ClapModel(audio, text, 16).double()
     return model, KCLLoss(temperature=0.1, learnable_temperature=True).double()
@@ -80,7 +85,9 @@ def test_cached_gradients_equal_uncached(sonar_dir: Path, chunk_size: int) -> No
         positional, keyword = arrange(model.encode_audio(wave), text_emb)
         return loss_fn(*positional, **keyword), None
 
-    cached_loss, _ = grad_cache_backward(encode, dict(tokens), loss_from, chunk_size, torch.device("cpu"))
+    cached_loss, _ = grad_cache_backward(
+        encode, dict(tokens), loss_from, chunk_size, torch.device("cpu")
+    )
     got = grads(model, loss_fn)
     torch.testing.assert_close(cached_loss, loss)
     assert sorted(got) == sorted(expected)
@@ -127,12 +134,16 @@ def test_rerun_replays_dropout_exactly(sonar_dir: Path) -> None:
     loss_fn(*positional, **keyword).backward()
     reference = grads(model)
     for name in reference:
-        torch.testing.assert_close(cached_grads[name], reference[name], rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(
+            cached_grads[name], reference[name], rtol=1e-9, atol=1e-12, msg=name
+        )
 
 
 def test_missing_cached_gradient_is_an_error() -> None:
     lin = torch.nn.Linear(2, 2)
-    cached = embed_without_grad(lambda c: lin(c["x"]), [{"x": torch.randn(3, 2)}], torch.device("cpu"))
+    cached = embed_without_grad(
+        lambda c: lin(c["x"]), [{"x": torch.randn(3, 2)}], torch.device("cpu")
+    )
     with pytest.raises(RuntimeError, match=r"call loss.backward\(\) first"):
         backward_chunks(lambda c: lin(c["x"]), cached)
     state = RngState.capture(torch.device("cpu"))

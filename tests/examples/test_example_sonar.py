@@ -26,7 +26,12 @@ def test_tokenizer_prefixes_the_language_code_and_ends_with_eos(sonar_dir: Path)
         ["a loud rising chirp", "un bip aigu doux", "ein leiser tiefes brummen"],
         ["eng_Latn", "fra_Latn", "deu_Latn"],
     )
-    for row, mask, lang in zip(batch["input_ids"], batch["attention_mask"], ["eng_Latn", "fra_Latn", "deu_Latn"]):
+    for row, mask, lang in zip(
+        batch["input_ids"],
+        batch["attention_mask"],
+        ["eng_Latn", "fra_Latn", "deu_Latn"],
+        strict=True,
+    ):
         n = int(mask.sum())
         assert int(row[0]) == tok.convert_tokens_to_ids(lang)
         assert int(row[n - 1]) == tok.eos_token_id
@@ -51,7 +56,9 @@ def test_mean_pooling_ignores_padding(sonar_dir: Path) -> None:
     enc = load_sonar_encoder(sonar_dir).eval()
     with torch.no_grad():
         alone = enc.encode(["un bip aigu"], ["fra_Latn"])
-        batched = enc.encode(["un bip aigu", "a loud rising chirp with rhythmic pulses"], ["fra_Latn", "eng_Latn"])
+        batched = enc.encode(
+            ["un bip aigu", "a loud rising chirp with rhythmic pulses"], ["fra_Latn", "eng_Latn"]
+        )
     torch.testing.assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-5)
     hidden = torch.randn(2, 4, 3)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
@@ -67,7 +74,9 @@ def test_loads_weights_saved_under_any_transformers_prefix(sonar_dir: Path, tmp_
     with pytest.raises(ValueError, match="no M2M100 encoder weights"):
         strip_encoder_prefix({"foo.bar": torch.zeros(1)}, set(state))
     random_init = load_sonar_encoder(sonar_dir, weights=False)
-    assert not torch.equal(random_init.encoder.layers[0].fc1.weight, enc.encoder.layers[0].fc1.weight)
+    assert not torch.equal(
+        random_init.encoder.layers[0].fc1.weight, enc.encoder.layers[0].fc1.weight
+    )
 
 
 def to_fairseq2(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -105,9 +114,16 @@ def test_fairseq2_key_map_round_trips(sonar_dir: Path) -> None:
 
 def test_mlclap_checkpoint_loads_into_the_model(sonar_dir: Path, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    source = ClapModel(CEDAudioEncoder(CEDConfig(embed_dim=32, depth=2, num_heads=2)), load_sonar_encoder(sonar_dir), 16)
+    source = ClapModel(
+        CEDAudioEncoder(CEDConfig(embed_dim=32, depth=2, num_heads=2)),
+        load_sonar_encoder(sonar_dir),
+        16,
+    )
     ckpt: dict[str, torch.Tensor] = {}
-    for key, value in source.audio.state_dict().items():  # original CED layout under audio_encoder.model.
+    for (
+        key,
+        value,
+    ) in source.audio.state_dict().items():  # original CED layout under audio_encoder.model.
         key = key.removeprefix("encoder.").replace("init_bn.", "init_bn.1.")
         ckpt["audio_encoder.model." + key] = value
     ckpt["audio_encoder.model.front_end.0.mel_scale.fb"] = torch.zeros(257, 64)
@@ -122,7 +138,11 @@ def test_mlclap_checkpoint_loads_into_the_model(sonar_dir: Path, tmp_path: Path)
     torch.save(ckpt, path)
 
     torch.manual_seed(1)
-    target = ClapModel(CEDAudioEncoder(CEDConfig(embed_dim=32, depth=2, num_heads=2)), load_sonar_encoder(sonar_dir, weights=False), 16)
+    target = ClapModel(
+        CEDAudioEncoder(CEDConfig(embed_dim=32, depth=2, num_heads=2)),
+        load_sonar_encoder(sonar_dir, weights=False),
+        16,
+    )
     extras = load_mlclap_checkpoint(target, path)
     assert float(extras["temperature"]) == pytest.approx(0.05)
     for key, value in source.state_dict().items():
@@ -130,7 +150,11 @@ def test_mlclap_checkpoint_loads_into_the_model(sonar_dir: Path, tmp_path: Path)
 
 
 def test_projection_heads_are_the_mlclap_shapes(sonar_dir: Path) -> None:
-    model = ClapModel(CEDAudioEncoder(CEDConfig(embed_dim=32, depth=1, num_heads=2)), load_sonar_encoder(sonar_dir), 24)
+    model = ClapModel(
+        CEDAudioEncoder(CEDConfig(embed_dim=32, depth=1, num_heads=2)),
+        load_sonar_encoder(sonar_dir),
+        24,
+    )
     assert [type(m).__name__ for m in model.audio_proj] == ["Linear", "ReLU", "Linear"]
     assert model.audio_proj[0].in_features == 32 and model.audio_proj[2].out_features == 24
     assert model.text_proj[0].in_features == 32 and model.text_proj[2].out_features == 24
@@ -142,14 +166,18 @@ def test_projection_heads_are_the_mlclap_shapes(sonar_dir: Path) -> None:
 
 
 def test_saved_safetensors_weights_are_read(sonar_dir: Path, tmp_path: Path) -> None:
-    """A directory holding a full M2M100 model's weights (``model.encoder.*`` + ``model.shared``)."""
+    """A directory with a full M2M100 model's weights (``model.encoder.*``, ``model.shared``)."""
     import shutil
 
     enc = load_sonar_encoder(sonar_dir)
     full = tmp_path / "full"
     shutil.copytree(sonar_dir, full)
     (full / "model.safetensors").unlink()
-    state = {"model.encoder." + k: v.contiguous() for k, v in enc.encoder.state_dict().items() if k != "embed_tokens.weight"}
+    state = {
+        "model.encoder." + k: v.contiguous()
+        for k, v in enc.encoder.state_dict().items()
+        if k != "embed_tokens.weight"
+    }
     state["model.shared.weight"] = enc.encoder.embed_tokens.weight.detach().clone()
     save_file(state, str(full / "model.safetensors"))
     again = load_sonar_encoder(full)

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import contrastive_losses as cl
 import pytest
 from clap_example.train import main
+
+import contrastive_losses as cl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REPO = EXAMPLES.parent
@@ -67,8 +68,15 @@ def test_every_loss_and_svr_mode_trains(
 ) -> None:
     extra: dict[str, Any] = {"ask_k": 3, "ask_prototypes": 4} if loss == "ask" else {}
     result = run(
-        tmp_path, base_config, "run", loss=loss, svr=svr, svr_direction=direction, max_steps=2,
-        test_manifest=None, **extra,
+        tmp_path,
+        base_config,
+        "run",
+        loss=loss,
+        svr=svr,
+        svr_direction=direction,
+        max_steps=2,
+        test_manifest=None,
+        **extra,
     )
     out = tmp_path / "run"
     rows = steps(out)
@@ -94,21 +102,27 @@ def test_two_epochs_loss_falls(tmp_path: Path, base_config: dict[str, Any]) -> N
 
 
 @needs_metrics
-def test_evaluation_reports_r1_per_language_and_keeps_the_best(tmp_path: Path, base_config: dict[str, Any]) -> None:
+def test_evaluation_reports_r1_per_language_and_keeps_the_best(
+    tmp_path: Path, base_config: dict[str, Any]
+) -> None:
     result = run(tmp_path, base_config, "eval", loss="kcl", epochs=2, plots=True)
     out = tmp_path / "eval"
     epochs = [json.loads(line) for line in (out / "epoch_log.jsonl").read_text().splitlines()]
     assert len(epochs) == 2
     metrics = epochs[-1]["metrics"]
     for lang in ("eng_Latn", "fra_Latn", "deu_Latn"):
-        assert any(lang in k and ("R@1" in k or "r1" in k.lower()) for k in metrics), sorted(metrics)[:20]
+        assert any(lang in k and ("R@1" in k or "r1" in k.lower()) for k in metrics), sorted(
+            metrics
+        )[:20]
     assert result["best"] is not None
     assert (out / "best" / "state.pt").is_file() and (out / "best" / "metrics.json").is_file()
     assert (out / "plots" / "retrieval_r1.png").is_file()
 
 
 @pytest.mark.parametrize("loss", ["kcl", "mlclap"])
-def test_resume_reproduces_the_following_steps(tmp_path: Path, base_config: dict[str, Any], loss: str) -> None:
+def test_resume_reproduces_the_following_steps(
+    tmp_path: Path, base_config: dict[str, Any], loss: str
+) -> None:
     """Stop after step 3 (mid-epoch), resume: steps 4..8 match the uninterrupted run exactly.
 
     Dropout is on, so the RNG states are part of what the checkpoint must restore.
@@ -135,23 +149,35 @@ def test_resume_reproduces_the_following_steps(tmp_path: Path, base_config: dict
         assert a["lr"] == b["lr"]
 
 
-def test_resume_auto_continues_in_the_output_dir(tmp_path: Path, base_config: dict[str, Any]) -> None:
+def test_resume_auto_continues_in_the_output_dir(
+    tmp_path: Path, base_config: dict[str, Any]
+) -> None:
     run(tmp_path, base_config, "auto", loss="infonce", epochs=1, max_steps=2, test_manifest=None)
-    result = run(tmp_path, base_config, "auto", loss="infonce", epochs=2, resume="auto", test_manifest=None)
+    result = run(
+        tmp_path, base_config, "auto", loss="infonce", epochs=2, resume="auto", test_manifest=None
+    )
     assert result["step"] == 8
     assert [r["step"] for r in steps(tmp_path / "auto")] == list(range(1, 9))
 
 
 def test_grad_cache_run_matches_the_plain_run(tmp_path: Path, base_config: dict[str, Any]) -> None:
     run(tmp_path, base_config, "plain", loss="kcl", max_steps=3, test_manifest=None)
-    run(tmp_path, base_config, "cached", loss="kcl", max_steps=3, test_manifest=None,
-        grad_cache=True, grad_cache_chunk=3)
+    run(
+        tmp_path,
+        base_config,
+        "cached",
+        loss="kcl",
+        max_steps=3,
+        test_manifest=None,
+        grad_cache=True,
+        grad_cache_chunk=3,
+    )
     for a, b in zip(steps(tmp_path / "plain"), steps(tmp_path / "cached"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
-# --- configuration errors --------------------------------------------------------------------------
+# --- configuration errors ------------------------------------------------------------------------
 
 
 def test_config_errors_say_what_to_change(tmp_path: Path, base_config: dict[str, Any]) -> None:
@@ -160,14 +186,20 @@ def test_config_errors_say_what_to_change(tmp_path: Path, base_config: dict[str,
     with pytest.raises(ValueError, match="SVR wraps"):
         run(tmp_path, base_config, "bad", loss="ask", svr="static")
     with pytest.raises(ValueError, match="CACL anchors on English"):
-        run(tmp_path, base_config, "bad", loss="cacl", languages=["fra_Latn", "eng_Latn", "deu_Latn"])
+        run(
+            tmp_path,
+            base_config,
+            "bad",
+            loss="cacl",
+            languages=["fra_Latn", "eng_Latn", "deu_Latn"],
+        )
     with pytest.raises(ValueError, match=r"--pair-language: jpn_Jpan is not in --languages"):
         run(tmp_path, base_config, "bad", loss="infonce", pair_language="jpn_Jpan")
     with pytest.raises(SystemExit):
         main(["--loss", "kcl"])  # no manifest, no sonar, no output dir
 
 
-# --- distributed -------------------------------------------------------------------------------------
+# --- distributed ---------------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -177,7 +209,9 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("grad_cache", [False, True], ids=["ddp", "ddp-gradcache"])
-def test_two_process_gloo_ddp_smoke(tmp_path: Path, base_config: dict[str, Any], grad_cache: bool) -> None:
+def test_two_process_gloo_ddp_smoke(
+    tmp_path: Path, base_config: dict[str, Any], grad_cache: bool
+) -> None:
     values = {
         **base_config,
         "loss": "kcl",
@@ -189,12 +223,22 @@ def test_two_process_gloo_ddp_smoke(tmp_path: Path, base_config: dict[str, Any],
     }
     config = tmp_path / "ddp.json"
     config.write_text(json.dumps(values))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        str(EXAMPLES / "finetune_ced_sonar.py"), "--config", str(config),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(EXAMPLES / "finetune_ced_sonar.py"),
+        "--config",
+        str(config),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
