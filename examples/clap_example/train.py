@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import math
 import os
@@ -190,7 +191,10 @@ def init_distributed(device_arg: str) -> tuple[int, int, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # Rank 0 evaluates alone while the others wait: allow a long evaluation.
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2)
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     return rank, world, device
@@ -308,6 +312,7 @@ class StepLog:
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak allocated since the last reset (each epoch); CPU: the process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
@@ -776,6 +781,8 @@ class Trainer:
                 dynamic_ncols=True,
             )
             started = time.time()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)  # per-epoch peak
             losses: list[float] = []
             self.model.train()
             for batch in loader:
@@ -837,6 +844,7 @@ class Trainer:
             "best": self.best,
             "history": self.history,
             "world_size": self.world,
+            "peak_memory_mb": peak_memory_mb(self.device),
             "ranks_in_sync": self.ranks_in_sync(),
         }
         if self.is_main:
