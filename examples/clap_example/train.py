@@ -652,7 +652,14 @@ class Trainer:
         texts, langs, c = eval_captions(self.test_clips, self.languages, self.args.test_manifest)
         text = self._embed_texts(texts, langs)
         text = text.view(len(self.test_clips), len(self.languages), c, -1)
-        report = retrieval_report(audio, text, languages=self.languages)
+        n = len(self.test_clips)
+        report = retrieval_report(
+            audio,
+            text,
+            languages=self.languages,
+            k=tuple(k for k in (1, 5, 10) if k <= n),  # small test sets: no cut-off above N
+            map_k=min(10, n),
+        )
         self.model.train(was_training)
         return report
 
@@ -880,7 +887,16 @@ class Trainer:
         out: dict[str, Any] = {}
         if self.is_main:
             report = self.evaluate()
-            metrics = flatten_metrics(report)
+            wanted = ("per_language", "average", "mrv")
+            if isinstance(report, dict) and all(key in report for key in wanted):
+                metrics = flatten_metrics({key: report[key] for key in wanted})
+            else:
+                metrics = flatten_metrics(report)
+            if hasattr(report, "to_markdown"):
+                table = report.to_markdown()
+                print(table)
+                (self.out / "eval").mkdir(exist_ok=True)
+                (self.out / "eval" / f"step-{self.step:08d}.md").write_text(table + "\n")
             value = self.select_value(metrics)
             out = {"metrics": metrics, "select": value}
             if value is not None and (self.best is None or value > self.best):
