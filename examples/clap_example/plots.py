@@ -22,6 +22,7 @@ def plot_run(out_dir: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir = Path(out_dir)
     plots = out_dir / "plots"
@@ -78,6 +79,7 @@ def plot_run(out_dir: str | Path) -> list[Path]:
             for key, points in sorted(series.items()):
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key, lw=1)
             ax.set_xlabel("epoch")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel("R@1")
             ax.set_title("retrieval R@1 per language and direction")
             ax.legend(fontsize=6, ncol=2)
