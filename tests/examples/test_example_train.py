@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -226,6 +227,24 @@ def test_grad_cache_run_matches_the_plain_run(tmp_path: Path, base_config: dict[
     for a, b in zip(steps(tmp_path / "plain"), steps(tmp_path / "cached"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_bf16_autocast_runs(tmp_path: Path, base_config: dict[str, Any]) -> None:
+    """The AMP path (bf16 autocast, float32 front end and loss) on CPU."""
+    run(tmp_path, base_config, "amp", loss="cacl", amp="bf16", max_steps=2, test_manifest=None)
+    assert all(math.isfinite(r["loss"]) for r in steps(tmp_path / "amp"))
+
+
+def test_learning_rate_schedules(tmp_path: Path, base_config: dict[str, Any]) -> None:
+    common = {"loss": "infonce", "epochs": 2, "test_manifest": None, "lr": 0.01}
+    run(tmp_path, base_config, "step", schedule="step", step_epochs=1, step_gamma=0.5, **common)
+    lrs = [r["lr"] for r in steps(tmp_path / "step")]
+    assert lrs == pytest.approx([0.01] * 4 + [0.005] * 4)
+    run(tmp_path, base_config, "cos", schedule="cosine", warmup_steps=2, **common)
+    lrs = [r["lr"] for r in steps(tmp_path / "cos")]
+    assert lrs[:3] == pytest.approx([0.005, 0.01, 0.01])  # linear warm-up, then the peak
+    assert all(a > b for a, b in itertools.pairwise(lrs[2:]))  # cosine decay
+    assert lrs[-1] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * 5 / 6)))
 
 
 # --- configuration errors ------------------------------------------------------------------------
