@@ -5,18 +5,23 @@ Public names only; the maths lives in :mod:`contrastive_losses.functional`.
 
 from __future__ import annotations
 
-from . import distributed, functional
+from . import diagnostics, distributed, functional
+from .ask import ASKLoss
+from .bank import KnowledgeBank
 from .functional import sample_languages
 from .losses import CACLLoss, ContrastivePair, InfoNCELoss, KCLLoss, SigLIPLoss
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ASKLoss",
     "CACLLoss",
     "ContrastivePair",
     "InfoNCELoss",
     "KCLLoss",
+    "KnowledgeBank",
     "SigLIPLoss",
+    "diagnostics",
     "distributed",
     "functional",
     "sample_languages",

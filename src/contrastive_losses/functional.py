@@ -26,9 +26,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
+from .ask import ask  # ASK's maths lives beside its bank retrieval; re-exported here
 from .distributed import all_gather_no_grad, all_gather_with_grad, resolve_gather
+from .ot import sinkhorn
 
-__all__ = ["cacl", "info_nce", "kcl", "sample_languages", "siglip"]
+__all__ = [
+    "ask",
+    "cacl",
+    "info_nce",
+    "kcl",
+    "l2_normalize",
+    "sample_languages",
+    "siglip",
+    "sinkhorn",
+]
 
 Terms = dict[str, Tensor]
 
