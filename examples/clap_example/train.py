@@ -58,14 +58,13 @@ def build_loss(args: argparse.Namespace) -> nn.Module:
     if args.loss == "ask":
         if args.svr != "none":
             raise ValueError("--svr: SVR wraps infonce/siglip/mlclap/kcl/cacl, not ask")
-        ask_loss, knowledge_bank = ask_classes()
-        bank = knowledge_bank(
+        bank = cl.KnowledgeBank(
             args.embed_dim,
             backend=args.ask_backend,
             num_prototypes=args.ask_prototypes,
             refresh_every=args.ask_refresh_every,
         )
-        return ask_loss(
+        return cl.ASKLoss(
             bank,
             k=args.ask_k,
             injection_ratio=args.ask_injection_ratio,
@@ -96,18 +95,6 @@ def build_loss(args: argparse.Namespace) -> nn.Module:
     if args.svr_radius_init is not None:
         kwargs["radius_init"] = args.svr_radius_init
     return cl.SupportVectorRegularizer(**kwargs)
-
-
-def ask_classes() -> tuple[Any, Any]:
-    """``(ASKLoss, KnowledgeBank)``: top-level names per DESIGN.md, else their modules."""
-    import contrastive_losses as cl
-
-    if hasattr(cl, "ASKLoss") and hasattr(cl, "KnowledgeBank"):
-        return cl.ASKLoss, cl.KnowledgeBank
-    from contrastive_losses.ask import ASKLoss
-    from contrastive_losses.bank import KnowledgeBank
-
-    return ASKLoss, KnowledgeBank
 
 
 def text_mode(args: argparse.Namespace) -> str:
