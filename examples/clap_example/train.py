@@ -499,7 +499,7 @@ class Trainer:
             if number is not None:
                 out[f"terms/{key}"] = number
         for name, param in self.loss_fn.named_parameters():
-            if param.numel() == 1:
+            if param.dim() == 0:  # temperature, static radius, SigLIP scale/bias
                 out[f"param/{name}"] = float(param.detach())
         out["lr"] = lr
         out["captions"] = float(len(texts))
