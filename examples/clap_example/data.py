@@ -163,6 +163,17 @@ def require_language(clips: Sequence[Clip], language: str, why: str, manifest: s
         )
 
 
+def require_other_language(clips: Sequence[Clip], english: str, manifest: str) -> None:
+    """Every clip must have a caption in some language besides English (CACL's other one)."""
+    lacking = [c for c in clips if not any(lang != english for lang in c.captions)]
+    if lacking:
+        listed = ", ".join(f"{c.audio_id} (line {c.rows[0]})" for c in lacking[:10])
+        raise ManifestError(
+            f"{manifest}: {len(lacking)} clip(s) have only {english} captions; CACL pairs "
+            f"English with another language: {listed}{'...' if len(lacking) > 10 else ''}"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Audio
 # --------------------------------------------------------------------------------------------

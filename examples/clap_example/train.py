@@ -36,6 +36,7 @@ from .data import (
     pick,
     read_manifest,
     require_language,
+    require_other_language,
 )
 from .gradcache import backward_chunks, embed_without_grad, split_chunks
 from .model import ClapModel, load_mlclap_checkpoint
@@ -341,6 +342,7 @@ class Trainer:
         self.mode = text_mode(args)
         if self.mode == "cacl":
             require_language(self.train_clips, self.languages[0], "CACL", args.train_manifest)
+            require_other_language(self.train_clips, self.languages[0], args.train_manifest)
         if self.mode == "fixed":
             require_language(
                 self.train_clips,

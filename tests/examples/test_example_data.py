@@ -82,6 +82,21 @@ def test_unknown_language_names_the_rows(tmp_path: Path, wav: Path) -> None:
         read_manifest(manifest, LANGS)
 
 
+def test_cacl_needs_english_and_another_language(tmp_path: Path, wav: Path) -> None:
+    from clap_example.data import require_language, require_other_language
+
+    manifest = write_csv(tmp_path / "m.csv", [
+        "audio_path,audio_id,caption,language",
+        "a.wav,a,a dog,en",
+        "a.wav,b,un chien,fr",
+    ])  # fmt: skip
+    clips = read_manifest(manifest, LANGS)
+    with pytest.raises(ManifestError, match=r"1 clip\(s\) have no eng_Latn caption.*b \(line 3\)"):
+        require_language(clips, "eng_Latn", "CACL", str(manifest))
+    with pytest.raises(ManifestError, match=r"only eng_Latn captions.*a \(line 2\)"):
+        require_other_language(clips, "eng_Latn", str(manifest))
+
+
 def test_missing_column_and_bad_json(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match=r"lacks column\(s\) \['language'\]"):
         read_manifest(
