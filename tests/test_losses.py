@@ -8,6 +8,7 @@ import math
 import pytest
 import reference as ref
 import torch
+from helpers import F64, randn, random_mask
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,19 +20,6 @@ from contrastive_losses import (
     sample_languages,
 )
 from contrastive_losses import functional as CF
-
-F64 = torch.float64
-
-
-def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
-
-def random_mask(gen: torch.Generator, b: int, k: int, p: float = 0.7) -> torch.Tensor:
-    mask = torch.rand(b, k, generator=gen) < p
-    mask[:, 0] = True  # every clip keeps its English caption
-    return mask
-
 
 # ------------------------------------------------------------------ references
 

@@ -10,6 +10,7 @@ from .ask import ASKLoss
 from .bank import KnowledgeBank
 from .functional import sample_languages
 from .losses import CACLLoss, ContrastivePair, InfoNCELoss, KCLLoss, SigLIPLoss
+from .svr import RadiusPredictor, SupportVectorRegularizer
 
 __version__ = "0.1.0"
 
@@ -20,7 +21,9 @@ __all__ = [
     "InfoNCELoss",
     "KCLLoss",
     "KnowledgeBank",
+    "RadiusPredictor",
     "SigLIPLoss",
+    "SupportVectorRegularizer",
     "diagnostics",
     "distributed",
     "functional",

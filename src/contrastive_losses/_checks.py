@@ -148,6 +148,15 @@ def check_non_negative(value: float, name: str) -> None:
         raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
 
 
+def check_int(value: object, name: str, minimum: int) -> int:
+    """An ``int`` (not a bool) that is at least ``minimum``; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
 def check_choice(value: object, name: str, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")

@@ -317,8 +317,9 @@ class ASKLoss(nn.Module):
         bank: a built :class:`KnowledgeBank` whose ``dim`` matches the embeddings.
         k: fine neighbours per sample (ASK: 10).
         k_coarse: prototypes per sample.
-        injection_ratio, ot_weight, lambda_fine, lambda_coarse, epsilon, temperature,
-            sinkhorn_iters, detach_plan, normalize, reduction: see :func:`ask`.
+        injection_ratio: see :func:`ask`; likewise ``ot_weight``, ``lambda_fine``,
+            ``lambda_coarse``, ``epsilon``, ``temperature``, ``sinkhorn_iters``,
+            ``detach_plan``, ``normalize`` and ``reduction``.
         use_coarse: use the prototypes (the bank must have some).
 
     Shape:

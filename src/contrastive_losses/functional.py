@@ -20,6 +20,7 @@ Notation: ``B`` batch, ``K`` languages (captions per clip), ``D`` embedding dim,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ __all__ = [
     "sample_languages",
     "siglip",
     "sinkhorn",
+    "support_vector_term",
 ]
 
 Terms = dict[str, Tensor]
@@ -607,3 +609,239 @@ def sample_languages(
         what = "caption" if include_english else "non-English caption"
         raise ValueError(f"mask_or_num_languages: sample(s) {rows} have no {what} to draw")
     return torch.multinomial(weights, 1, generator=generator).squeeze(1)
+
+
+# --------------------------------------------------------------------------- SVR (SupCLAP)
+
+
+class _Gram(torch.autograd.Function):
+    """``y @ y.mT`` with the symmetric backward ``(g + g.mT) @ y``: one matmul, not two."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor) -> Tensor:
+        ctx.save_for_backward(y)
+        return y @ y.mT
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (y,) = ctx.saved_tensors
+        return (grad + grad.mT) @ y
+
+
+class _Distance(torch.autograd.Function):
+    """``||y - x||`` over the last dim; backward recomputes ``y - x`` instead of keeping a
+    ``(B, D)`` tensor alive, and is 0 where the distance is 0."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, y: Tensor) -> Tensor:
+        dist = torch.linalg.vector_norm(y - x, dim=-1)
+        ctx.save_for_backward(x, y, dist)
+        return dist
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x, y, dist = ctx.saved_tensors
+        scale = torch.where(dist > 0, grad / dist.clamp_min(torch.finfo(dist.dtype).tiny), 0)
+        grad_y = (y - x) * scale[..., None]
+        return -grad_y, grad_y
+
+
+def _distance(x: Tensor, y: Tensor) -> Tensor:
+    return _Distance.apply(x, y)
+
+
+def _gram(y_local: Tensor, y_all: Tensor, gathered: bool) -> Tensor:
+    """``y_local @ y_all.T``: the positives' rows against every candidate."""
+    return y_local @ y_all.mT if gathered else _Gram.apply(y_local)
+
+
+def _unit_offsets(x: Tensor, y_pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Unit direction ``(y_pos - x)/||y_pos - x||`` (0 below epsilon) and the distance."""
+    u = y_pos - x
+    dist = torch.linalg.vector_norm(u, dim=-1)
+    eps = torch.finfo(x.dtype).eps
+    inv = torch.where(dist > eps, 1 / dist.clamp_min(eps), torch.zeros_like(dist))
+    return u * inv[..., None], dist
+
+
+def _support_vector_rows(
+    sims: Tensor,
+    positive_sims: Tensor,
+    dist: Tensor,
+    radius: Tensor | float,
+    temperature: float | Tensor,
+    offset: int,
+    col_mask: Tensor | None,
+) -> Tensor:
+    r"""Per-row SVR cross-entropy from similarities, batched over ``Q`` problems.
+
+    With :math:`c_i = R_i/d_i` the support vector's logits are
+    :math:`\langle t_i + c_i(a_i - t_i), a_j\rangle = (1 - c_i) s_{ij} + c_i g_{ij}`, so
+    they come from the anchor-candidate similarities ``sims`` :math:`s_{ij}` and the
+    positive-candidate similarities ``positive_sims`` :math:`g_{ij} = \langle a_i, a_j\rangle`,
+    both ``(Q, b, N)`` with the positive of row ``r`` at column ``offset + r``, and no
+    ``(b, D)`` support vector is built. ``dist`` ``(Q, b)`` is :math:`d_i`; below the
+    dtype's epsilon the direction is undefined and :math:`c_i = 0` (the InfoNCE row).
+    ``radius`` is a scalar or ``(Q, b)``; ``col_mask`` ``(Q, N)`` marks present
+    candidates. Returns ``(Q, b)``; rows are not masked here.
+    """
+    eps = torch.finfo(dist.dtype).eps
+    coef = torch.where(dist > eps, radius / dist.clamp_min(eps), torch.zeros_like(dist))
+    logits = torch.lerp(sims, positive_sims, coef[..., None]) / temperature  # (Q, b, N)
+    if col_mask is not None:
+        logits = logits.masked_fill(~col_mask[:, None, :], torch.finfo(logits.dtype).min)
+    rows = torch.arange(sims.shape[1], device=sims.device)
+    positive = logits[:, rows, rows + offset]  # (Q, b)
+    return logits.logsumexp(dim=-1) - positive
+
+
+def _radius_features(
+    similarities: Tensor, num_features: int, offset: int = 0, col_mask: Tensor | None = None
+) -> Tensor:
+    """``[s_pos, negatives sorted descending]`` truncated or padded to ``num_features``.
+
+    ``similarities`` ``(..., b, N)`` with the positive of row ``r`` at column
+    ``offset + r``; ``col_mask`` ``(..., N)`` marks present candidates. Absent
+    candidates and padding take the row's minimum over present candidates (positive
+    included). Detached; invariant to any permutation of the negatives.
+    """
+    s = similarities.detach()
+    b, n = s.shape[-2], s.shape[-1]
+    rows = torch.arange(b, device=s.device)
+    invalid = torch.zeros(b, n, dtype=torch.bool, device=s.device)
+    invalid[rows, rows + offset] = True  # the positive is not a negative
+    if col_mask is not None:
+        invalid = invalid | ~col_mask[..., None, :]  # (..., b, N)
+    s_pos = s[..., rows, rows + offset]  # (..., b)
+    neg = s.masked_fill(invalid, float("-inf"))  # (..., b, N)
+    k = num_features - 1
+    if n - 1 >= k:
+        top = neg.topk(k, dim=-1).values  # sorted descending
+    else:
+        top = neg.sort(dim=-1, descending=True).values[..., : n - 1]
+        pad = top.new_full((*top.shape[:-1], k - (n - 1)), float("-inf"))
+        top = torch.cat([top, pad], dim=-1)
+    if col_mask is not None or n - 1 < k:  # empty slots take the row minimum
+        row_min = torch.minimum(s.masked_fill(invalid, float("inf")).amin(dim=-1), s_pos)
+        top = torch.where(torch.isinf(top), row_min[..., None], top)
+    return torch.cat([s_pos[..., None], top], dim=-1)  # (..., b, num_features)
+
+
+def _radius_tensor(radius: object, b: int, ref: Tensor) -> Tensor | float:
+    if isinstance(radius, Tensor):
+        if radius.dim() > 1 or (radius.dim() == 1 and radius.shape[0] != b):
+            raise ValueError(
+                f"radius: expected a float, a 0-d tensor or shape ({b},) matching the "
+                f"anchors, got shape {tuple(radius.shape)}"
+            )
+        _checks.check_float(radius, "radius")
+        _checks.check_finite(radius, "radius")
+        if radius.device != ref.device:
+            raise ValueError(f"radius: on device {radius.device} but anchor is on {ref.device}")
+        return radius.to(ref.dtype)
+    if isinstance(radius, bool) or not isinstance(radius, (int, float)):
+        raise TypeError(f"radius: expected a float or a tensor, got {type(radius).__name__}")
+    if radius != radius or abs(radius) == float("inf"):
+        raise ValueError(f"radius: must be finite, got {radius}")
+    return float(radius)
+
+
+def support_vector_term(
+    anchor: Tensor,
+    candidates: Tensor,
+    radius: float | Tensor,
+    temperature: float | Tensor = 0.07,
+    *,
+    normalize: bool = True,
+    mask: Tensor | None = None,
+    reduction: str = "mean",
+    gather: bool | None = None,
+) -> Tensor:
+    r"""The support-vector regularisation term of SupCLAP (Eq. 5–6), one direction.
+
+    Each anchor :math:`t_i` is shifted towards its positive :math:`a_i` by the semantic
+    radius :math:`R_i` and contrasted, as the support vector, with every candidate:
+
+    .. math::
+
+        \hat u_i = \frac{a_i - t_i}{\lVert a_i - t_i\rVert}, \qquad
+        t_i^{sup} = t_i + R_i\,\hat u_i, \qquad
+        \ell_i = -\log \frac{e^{\langle t_i^{sup}, a_i\rangle/\tau}}
+            {\sum_{j=1}^{B} e^{\langle t_i^{sup}, a_j\rangle/\tau}},
+
+    on normalised :math:`t, a`; :math:`t^{sup}` is *not* re-normalised and the positive
+    is in the denominator. With :math:`R` fixed the gradient with respect to
+    :math:`t_i` keeps the component of every candidate's force parallel to
+    :math:`\hat u_i` and scales the perpendicular one by
+    :math:`1 - R_i/\lVert a_i - t_i\rVert` (SupCLAP App. D); :math:`R = 0` is the
+    one-directional InfoNCE row. :math:`\lVert a_i - t_i\rVert` is clamped at the
+    dtype's epsilon; a positive equal to its anchor gives the InfoNCE row (finite).
+
+    Args:
+        anchor: anchors ``(B, D)`` (text for text-to-audio SVR).
+        candidates: candidates ``(B, D)``; ``candidates[i]`` is the positive of ``anchor[i]``.
+        radius: :math:`R`: a float, a 0-d tensor, or one radius per anchor ``(B,)``.
+        temperature: :math:`\tau > 0`.
+        normalize: L2-normalise the inputs first.
+        mask: optional bool ``(B,)``: ``False`` drops the pair as an anchor and as a
+            candidate (an absent caption).
+        reduction: ``"mean"`` over present anchors, ``"sum"``, or ``"none"`` (``(B,)``,
+            0 at absent anchors).
+        gather: all-gather the candidates across ranks (this rank's anchors against the
+            global batch; the loss is scaled as described in
+            :mod:`contrastive_losses.distributed`).
+
+    Shape:
+        anchor ``(B, D)``, candidates ``(B, D)``, radius ``()`` or ``(B,)``, mask ``(B,)``;
+        output scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import info_nce, support_vector_term
+        >>> text, audio = torch.randn(8, 32), torch.randn(8, 32)
+        >>> support_vector_term(text, audio, radius=0.2, temperature=0.07).shape
+        torch.Size([])
+        >>> # R = 0: the text-to-audio half of InfoNCE
+        >>> _, terms = info_nce(audio, text, 0.07, return_terms=True)
+        >>> bool(torch.isclose(support_vector_term(text, audio, 0.0), terms["loss_t2a"]))
+        True
+    """
+    _checks.check_reduction(reduction)
+    _temperature(temperature)
+    x = _embeddings(anchor, "anchor", "(B, D)", normalize)
+    y = _embeddings(candidates, "candidates", "(B, D)", normalize)
+    _check_pair(x, "anchor", y, "candidates")
+    b = x.shape[0]
+    r = _radius_tensor(radius, b, x)
+    if mask is not None:
+        mask = _check_row_mask(mask, b, x)
+    enabled = resolve_gather(gather)
+    y_all, offset = _gather(y, enabled)
+    m_all = None if mask is None else (all_gather_no_grad(mask) if enabled else mask)
+    per_row = _support_vector_rows(
+        (x @ y_all.T)[None],  # (1, b, N)
+        _gram(y, y_all, enabled)[None],
+        _distance(x, y)[None],
+        r[None] if isinstance(r, Tensor) and r.dim() == 1 else r,
+        temperature,
+        offset,
+        None if m_all is None else m_all[None],
+    )[0]  # (b,)
+    batch = _batch(offset, y_all.shape[0], enabled)
+    if mask is None:
+        return _reduce(per_row, reduction, batch.n_global, batch)
+    per_row = torch.where(mask, per_row, torch.zeros_like(per_row))
+    count = m_all.sum().clamp_min(1) if m_all is not None else b  # all absent: loss 0
+    return _reduce(per_row, reduction, count, batch)
+
+
+def _check_row_mask(mask: object, b: int, ref: Tensor) -> Tensor:
+    """Bool ``(B,)`` row mask on ``ref``'s device."""
+    mask = _checks.check_tensor(mask, "mask")
+    if mask.dim() != 1 or mask.shape[0] != b:
+        raise ValueError(f"mask: expected shape ({b},) matching the batch, got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
+    if mask.device != ref.device:
+        raise ValueError(f"mask: on device {mask.device} but the embeddings are on {ref.device}")
+    return mask

@@ -362,6 +362,22 @@ class CACLLoss(_TemperatureMixin):
         rows = torch.arange(b, device=text.device)
         return audio, text[:, self.english_index], text[rows, index]
 
+    def resolve_inputs(
+        self,
+        audio: Tensor,
+        english_or_text: Tensor,
+        other: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[tuple[Tensor, Tensor, Tensor], dict[str, object]]:
+        """``forward`` arguments with the language draw made once: ``((a, e, o), {})``.
+
+        Wrappers (:class:`~contrastive_losses.SupportVectorRegularizer`) call it so the
+        loss and :meth:`contrastive_pairs` see the same triplet.
+        """
+        return self.triplet(audio, english_or_text, other, mask=mask, generator=generator), {}
+
     def forward(
         self,
         audio: Tensor,

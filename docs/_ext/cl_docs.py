@@ -1,0 +1,365 @@
+"""Local Sphinx extension of the contrastive_losses docs.
+
+* **API pages.** At ``builder-inited`` it writes one page per module of ``API_MODULES``
+  (conf.py) into ``api/generated/`` plus the toctree that ``api/index.rst`` includes. A
+  module in ``PENDING_MODULES`` that does not exist yet is left out; any other module that
+  is absent or fails to import stops the build, and so does a public module under
+  ``src/contrastive_losses/`` that ``API_MODULES`` forgot. Every name in a module's
+  ``__all__`` is documented exactly once: at the top level when ``contrastive_losses``
+  exports it (that is what users import), else on its module's page.
+* **Aliases.** A cross-reference to ``contrastive_losses.<module>.<Name>`` resolves to
+  ``contrastive_losses.<Name>`` when that is where the object is documented.
+* **``.. benchmark-results:: NAME``** renders ``benchmarks/results/NAME.json`` (its
+  markdown tables), ``NAME.md`` and ``NAME*.png``; ``*`` renders every result that no
+  earlier directive on the page claimed. Absent results give a short note, not an error.
+* **Example README.** The line ``<!-- examples/README.md -->`` in a Markdown page is
+  replaced by the text of ``examples/README.md`` (headings one level down, image paths
+  fixed, links to repository files made plain) when that file exists, else by a note.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import pkgutil
+import re
+import types
+from pathlib import Path
+from typing import Any
+
+from docutils import nodes
+from docutils.statemachine import StringList
+from sphinx.application import Sphinx
+from sphinx.errors import ExtensionError
+from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
+from sphinx.util.nodes import nested_parse_with_titles
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = "contrastive_losses"
+GENERATED = Path("api") / "generated"
+
+
+# ----------------------------------------------------------------------------- API pages
+
+
+def _title(text: str, char: str) -> list[str]:
+    return [text, char * len(text), ""]
+
+
+def _public_names(module: types.ModuleType) -> list[str]:
+    names = getattr(module, "__all__", None)
+    if names is None:
+        raise ExtensionError(f"{module.__name__} has no __all__: say which names are public")
+    return list(names)
+
+
+def _check_listed(api_modules: list[str]) -> None:
+    package = importlib.import_module(PACKAGE)
+    found = {
+        f"{PACKAGE}.{info.name}"
+        for info in pkgutil.iter_modules(package.__path__)
+        if not info.name.startswith("_")
+    }
+    unlisted = sorted(found - set(api_modules))
+    if unlisted:
+        raise ExtensionError(
+            f"public module(s) {unlisted} are not in API_MODULES in docs/conf.py: add them "
+            "(or rename them with a leading underscore if they are private)"
+        )
+
+
+def _available(api_modules: list[str], pending: set[str]) -> list[types.ModuleType]:
+    unknown = sorted(pending - set(api_modules))
+    if unknown:
+        raise ExtensionError(f"PENDING_MODULES lists {unknown}, which API_MODULES does not")
+    out = []
+    for name in api_modules:
+        if importlib.util.find_spec(name) is None:
+            if name in pending:
+                logger.info(f"[cl_docs] {name} is pending and absent: not documented yet")
+                continue
+            raise ExtensionError(f"{name} (API_MODULES in docs/conf.py) does not exist")
+        if name in pending:
+            logger.info(
+                f"[cl_docs] {name} exists: documented. Remove it from PENDING_MODULES "
+                "in docs/conf.py"
+            )
+        out.append(importlib.import_module(name))  # import errors stop the build
+    return out
+
+
+def _top_level_objects() -> dict[int, str]:
+    """``id(obj) -> name`` of every non-module object the package exports."""
+    package = importlib.import_module(PACKAGE)
+    return {
+        id(getattr(package, name)): name
+        for name in _public_names(package)
+        if not isinstance(getattr(package, name), types.ModuleType)
+    }
+
+
+def _member_directive(obj: Any, qualified: str) -> list[str]:
+    if inspect.isclass(obj):
+        return [f".. autoclass:: {qualified}", "   :members:", "   :undoc-members:", ""]
+    if callable(obj):
+        return [f".. autofunction:: {qualified}", ""]
+    return [f".. autodata:: {qualified}", ""]
+
+
+def _page(module: types.ModuleType, top: dict[int, str]) -> str:
+    """Module docstring, a summary table of every public name, then each own member."""
+    name = module.__name__
+    public = _public_names(module)
+    members = {n: getattr(module, n) for n in public}
+    if name == PACKAGE:
+        own = [n for n, obj in members.items() if not isinstance(obj, types.ModuleType)]
+        summary = list(public)
+        exported: list[str] = []
+    else:
+        own = [n for n, obj in members.items() if id(obj) not in top]
+        exported = [top[id(obj)] for n, obj in members.items() if id(obj) in top]
+        summary = own + [f"~{PACKAGE}.{n}" for n in exported]
+    # Short titles keep the sidebar readable; the module's full name heads the page body.
+    lines = _title(name if name == PACKAGE else name.rsplit(".", 1)[1], "=")
+    if name != PACKAGE:
+        lines += [f"``{name}``", ""]
+    lines += [f".. automodule:: {name}", ""]
+    if summary:
+        lines += [".. rubric:: Contents", "", ".. autosummary::", "   :nosignatures:", ""]
+        lines += [f"   {entry}" for entry in summary] + [""]
+    if exported:
+        refs = ", ".join(f":obj:`~{PACKAGE}.{n}`" for n in exported)
+        lines += [f"Documented at the top level, where you import them from: {refs}.", ""]
+    for member in own:
+        lines += _member_directive(members[member], f"{name}.{member}")
+    return "\n".join(lines)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.write_text(text, encoding="utf-8")
+
+
+def generate_api_pages(app: Sphinx) -> None:
+    api_modules = list(app.config.cl_api_modules)
+    pending = set(app.config.cl_pending_modules)
+    _check_listed(api_modules)
+    modules = _available(api_modules, pending)
+    top = _top_level_objects()
+    out = Path(app.srcdir) / GENERATED
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = {f"{m.__name__}.rst": _page(m, top) for m in modules}
+    for stale in out.glob("*.rst"):
+        if stale.name not in wanted:
+            stale.unlink()
+    for filename, text in wanted.items():
+        _write_if_changed(out / filename, text)
+    toc = [".. toctree::", "   :maxdepth: 1", ""]
+    toc += [f"   generated/{m.__name__}" for m in modules]
+    _write_if_changed(out / "toctree.inc", "\n".join(toc) + "\n")
+
+
+def resolve_alias(app: Sphinx, env: Any, node: nodes.Element, contnode: nodes.Element) -> Any:
+    """Resolve ``contrastive_losses.<module>.<Name>`` (or a bare ``Name`` inside a module)
+    to ``contrastive_losses.<Name>`` when only the latter is documented."""
+    if node.get("refdomain") != "py":
+        return None
+    target = node.get("reftarget", "")
+    parts = target.split(".")
+    if parts[0] == PACKAGE and len(parts) > 2:
+        candidate = ".".join([PACKAGE, *parts[2:]])
+    elif parts[0] != PACKAGE:
+        candidate = ".".join([PACKAGE, *parts])
+    else:
+        return None
+    domain = env.get_domain("py")
+    if not domain.find_obj(env, None, None, candidate, None, 0):
+        return None
+    return domain.resolve_xref(
+        env, node["refdoc"], app.builder, node["reftype"], candidate, node, contnode
+    )
+
+
+def skip_namedtuple_fields(app: Sphinx, what: str, name: str, obj: Any, skip: bool, opts: Any):
+    """NamedTuple fields say "Alias for field number 0"; the class docstring says more."""
+    if type(obj).__name__ == "_tuplegetter":
+        return True
+    return None
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def _markdown_table_to_rst(markdown: str, caption: str) -> list[str]:
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in markdown.strip().splitlines()
+        if line.strip().startswith("|")
+    ]
+    rows = [r for r in rows if not all(set(c) <= set("-: ") and c for c in r)]  # separator
+    if not rows:
+        return []
+    width = max(len(r) for r in rows)
+    out = [f".. list-table:: {caption}", "   :header-rows: 1", ""]
+    for row in rows:
+        row = row + [""] * (width - len(row))
+        out.append(f"   * - {row[0] or ' '}")
+        out += [f"     - {cell or ' '}" for cell in row[1:]]
+    return [*out, ""]
+
+
+def _machine(payload: dict[str, Any]) -> str:
+    machine = payload.get("machine")
+    if not isinstance(machine, dict):
+        return ""
+    return "Measured on: " + ", ".join(f"{k} ``{v}``" for k, v in machine.items()) + "."
+
+
+class BenchmarkResults(SphinxDirective):
+    """``.. benchmark-results:: NAME`` (or ``*`` for all results not shown yet on the page)."""
+
+    required_arguments = 1
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        results = Path(self.config.cl_results_dir)
+        docdir = Path(self.env.doc2path(self.env.docname)).parent
+        claimed: set[str] = self.env.temp_data.setdefault("cl_bench_claimed", set())
+        stems = sorted(
+            {p.stem for p in results.glob("*.json")} | {p.stem for p in results.glob("*.md")}
+        )
+        name = self.arguments[0]
+        if name == "*":
+            names = [s for s in stems if s not in claimed]
+            with_titles = True
+        else:
+            names = [name]
+            with_titles = False
+        claimed.update(names)
+        lines: list[str] = []
+        for stem in names:
+            lines += self._render(results, docdir, stem, stems, with_titles)
+        if not lines and name == "*":
+            return []
+        container = nodes.container()
+        nested_parse_with_titles(self.state, StringList(lines, source=str(results)), container)
+        return container.children
+
+    def _render(
+        self, results: Path, docdir: Path, stem: str, stems: list[str], with_titles: bool
+    ) -> list[str]:
+        rel = Path(os.path.relpath(results, docdir)).as_posix()
+        lines = _title(stem, "-") if with_titles else []
+        json_path, md_path = results / f"{stem}.json", results / f"{stem}.md"
+        longer = [s for s in stems if s != stem and s.startswith(stem)]
+        pngs = sorted(
+            p for p in results.glob(f"{stem}*.png") if not any(p.stem.startswith(s) for s in longer)
+        )
+        if not (json_path.exists() or md_path.exists() or pngs):
+            return [
+                *lines,
+                ".. note::",
+                "",
+                f"   Not run in this checkout: ``benchmarks/results/{stem}.json`` is absent.",
+                "",
+            ]
+        if json_path.exists():
+            self.env.note_dependency(str(json_path))
+            payload = json.loads(json_path.read_text(encoding="utf-8"))
+            tables = {
+                key: value
+                for key, value in payload.items()
+                if isinstance(value, str) and value.lstrip().startswith("|")
+            }
+            for key, table in tables.items():
+                caption = f"{stem}.json" if len(tables) == 1 else f"{stem}.json: ``{key}``"
+                lines += _markdown_table_to_rst(table, caption)
+            if machine := _machine(payload):
+                lines += [machine, ""]
+            lines += [f"Raw numbers: :download:`{stem}.json <{rel}/{stem}.json>`.", ""]
+        if md_path.exists():
+            self.env.note_dependency(str(md_path))
+            lines += [f".. include:: {rel}/{stem}.md", "   :parser: myst_parser.sphinx_", ""]
+        for png in pngs:
+            lines += [f".. figure:: {rel}/{png.name}", "   :width: 100%", "", f"   {png.name}", ""]
+        return lines
+
+
+# ----------------------------------------------------------------------------- example README
+
+README_MARKER = "<!-- examples/README.md -->"
+_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def _inline_readme(readme: Path, docdir: Path, repository: str) -> str:
+    """The README's Markdown, headings one level down and relative paths rewritten.
+
+    Images point at the file from the docs page. Links to repository files (scripts,
+    other READMEs) are not docs pages: they go to ``cl_repository_url`` when set, else
+    become plain text. Fenced code is left alone.
+    """
+    base = readme.parent
+
+    def link(match: re.Match[str]) -> str:
+        bang, text, target = match.groups()
+        if re.match(r"^[a-z][a-z0-9+.-]*:|^#", target):
+            return match.group(0)
+        if bang:
+            path = Path(os.path.relpath((base / target).resolve(), docdir)).as_posix()
+            return f"![{text}]({path})"
+        if repository:
+            path = Path(os.path.relpath((base / target).resolve(), readme.parents[1]))
+            return f"[{text}]({repository.rstrip('/')}/{path.as_posix()})"
+        return text
+
+    out, fenced = [], False
+    for line in readme.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced:
+            line = "#" + line if re.match(r"^#{1,5} ", line) else _LINK.sub(link, line)
+        out.append(line)
+    return "\n".join(out)
+
+
+def include_example_readme(app: Sphinx, docname: str, source: list[str]) -> None:
+    if README_MARKER not in source[0]:
+        return
+    readme = Path(app.config.cl_examples_readme)
+    docdir = Path(app.env.doc2path(docname)).parent
+    if readme.exists():
+        app.env.note_dependency(str(readme))
+        block = _inline_readme(readme, docdir, app.config.cl_repository_url)
+    else:
+        block = (
+            "```{note}\n`examples/README.md` is not in this checkout; the example's own "
+            "README appears here once it is.\n```"
+        )
+    source[0] = source[0].replace(README_MARKER, block)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    root = Path(app.confdir).parent
+    app.add_config_value("cl_api_modules", [], "env")
+    app.add_config_value("cl_pending_modules", set(), "env")
+    app.add_config_value("cl_results_dir", str(root / "benchmarks" / "results"), "env")
+    app.add_config_value("cl_examples_readme", str(root / "examples" / "README.md"), "env")
+    # e.g. "https://github.com/OWNER/REPO/blob/main": where README links to repo files go.
+    app.add_config_value("cl_repository_url", "", "env")
+    app.connect("builder-inited", generate_api_pages)
+    app.connect("missing-reference", resolve_alias)
+    app.connect("autodoc-skip-member", skip_namedtuple_fields)
+    app.connect("source-read", include_example_readme)
+    app.add_directive("benchmark-results", BenchmarkResults)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
+
+
+__all__ = ["setup"]

@@ -1,0 +1,190 @@
+"""Build the docs, check every expected page exists, and screenshot two of them.
+
+    python docs/screenshot_check.py                 # build into docs/_build/screenshot
+    python docs/screenshot_check.py --html DIR      # check an existing HTML build
+
+Needs Chromium (Debian: ``apt-get install chromium``); not run in CI. Exits 1 when a page
+is missing, a screenshot is blank, or the maths did not typeset. Prints the PNG paths.
+
+The site loads MathJax from a CDN. Offline that shows raw TeX, so when Debian's
+``libjs-mathjax`` is installed the build here points ``mathjax_path`` at it (MathJax 2);
+``--mathjax URL`` picks another copy, ``--mathjax cdn`` keeps the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import subprocess
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax/MathJax.js")
+
+PAGES = [
+    "index",
+    "methods/infonce",
+    "methods/siglip",
+    "methods/kcl",
+    "methods/cacl",
+    "methods/svr",
+    "methods/ask",
+    "trainer",
+    "metrics",
+    "example",
+    "benchmarks",
+    "api/index",
+    "changelog",
+    "genindex",
+    "search",
+]
+SHOTS = {"landing": "index", "method": "methods/kcl"}
+
+
+def api_pages() -> list[str]:
+    """One page per module of conf.API_MODULES that exists in this checkout."""
+    sys.path.insert(0, str(ROOT / "src"))
+    namespace: dict[str, object] = {"__file__": str(DOCS / "conf.py")}
+    source = (DOCS / "conf.py").read_text()
+    start = source.index("API_MODULES = [")
+    exec(source[start : source.index("]", start) + 1], namespace)
+    modules = namespace["API_MODULES"]
+    assert isinstance(modules, list)
+    return [f"api/generated/{m}" for m in modules if importlib.util.find_spec(m)]
+
+
+def build(out: Path, mathjax: str) -> Path:
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]
+    if mathjax != "cdn":
+        cmd += ["-D", f"mathjax_path={mathjax}"]
+    cmd += ["-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
+    subprocess.run(cmd, check=True)
+    return out / "html"
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    sys.exit("screenshot_check: Chromium not found (apt-get install chromium)")
+
+
+def chromium_cmd(*args: str) -> list[str]:
+    return [
+        chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tempfile.mkdtemp(prefix='cl-chromium-')}",
+        "--hide-scrollbars",
+        "--virtual-time-budget=15000",  # let MathJax typeset before the shot
+        *args,
+    ]
+
+
+def screenshot(page: Path, png: Path) -> None:
+    cmd = chromium_cmd(f"--screenshot={png}", "--window-size=1280,900", page.as_uri())
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+
+
+def rendered_dom(page: Path) -> str:
+    cmd = chromium_cmd("--dump-dom", page.as_uri())
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
+def png_pixels(png: Path) -> tuple[int, int, bytes]:
+    """Decode an 8-bit RGB/RGBA PNG (what Chromium writes) to raw unfiltered rows."""
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{png} is not a PNG"
+    pos, idat, width, height, channels = 8, b"", 0, 0, 0
+    while pos < len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width, height = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
+            channels = {2: 3, 6: 4}[body[9]]
+            assert body[8] == 8, "only 8-bit PNGs"
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    raw, stride = zlib.decompress(idat), width * channels
+    rows, prev = [], bytearray(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
+        for x in range(stride):
+            a = line[x - channels] if x >= channels else 0
+            b, c = prev[x], prev[x - channels] if x >= channels else 0
+            if kind == 1:
+                line[x] = (line[x] + a) & 255
+            elif kind == 2:
+                line[x] = (line[x] + b) & 255
+            elif kind == 3:
+                line[x] = (line[x] + (a + b) // 2) & 255
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return width, height, b"".join(rows)
+
+
+def ink_share(png: Path) -> float:
+    """Share of pixels that differ from the most common (background) colour."""
+    width, height, pixels = png_pixels(png)
+    channels = len(pixels) // (width * height)
+    step = channels * 7  # every 7th pixel is plenty
+    samples = [pixels[i : i + 3] for i in range(0, len(pixels) - 3, step)]
+    background = max(set(samples), key=samples.count)
+    return sum(s != background for s in samples) / len(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--html", type=Path, help="existing HTML build (skip building)")
+    parser.add_argument("--out", type=Path, default=DOCS / "_build" / "screenshot")
+    parser.add_argument("--mathjax", default=None, help="MathJax URL, or 'cdn'")
+    args = parser.parse_args()
+    mathjax = args.mathjax or (
+        f"{LOCAL_MATHJAX.as_uri()}?config=TeX-AMS-MML_HTMLorMML"
+        if LOCAL_MATHJAX.exists()
+        else "cdn"
+    )
+    html = args.html or build(args.out, mathjax)
+    failures = []
+    missing = [p for p in PAGES + api_pages() if not (html / f"{p}.html").is_file()]
+    if missing:
+        failures.append(f"missing pages: {missing}")
+    shots = args.out / "png"
+    shots.mkdir(parents=True, exist_ok=True)
+    for label, page in SHOTS.items():
+        if page in missing:
+            continue
+        png = shots / f"{label}.png"
+        screenshot(html / f"{page}.html", png)
+        share = ink_share(png)
+        print(f"{png}  ({page}.html, {share:.1%} non-background pixels)")
+        if share < 0.01:
+            failures.append(f"{png} is blank ({share:.2%} non-background pixels)")
+    if mathjax != "cdn" and not args.html:
+        dom = rendered_dom(html / f"{SHOTS['method']}.html")
+        if "MathJax" not in dom and "mjx-container" not in dom:
+            failures.append(f"{SHOTS['method']}.html: MathJax did not typeset the equations")
+    for failure in failures:
+        print("FAIL:", failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

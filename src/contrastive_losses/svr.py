@@ -1,0 +1,386 @@
+r"""Support vector regularisation (SupCLAP, Luo, Yin et al.): the radius predictor and the
+Module that wraps any loss of :mod:`contrastive_losses.losses`.
+
+The maths is :func:`contrastive_losses.functional.support_vector_term`; this module holds
+the learnable radius (a scalar or :class:`RadiusPredictor`) and the wiring: the wrapped
+loss tells which ``(audio, text)`` pairs it contrasts (``contrastive_pairs``), and the
+regulariser adds the SVR term on each of them, in one or both directions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _checks
+from .distributed import all_gather_no_grad, resolve_gather
+from .functional import (
+    _batch,
+    _distance,
+    _gather,
+    _gram,
+    _radius_features,
+    _reduce,
+    _support_vector_rows,
+)
+
+__all__ = ["RadiusPredictor", "SupportVectorRegularizer"]
+
+RADIUS_MODES = ("static", "dynamic")
+DIRECTIONS = ("bi", "uni")
+
+
+class RadiusPredictor(nn.Module):
+    r"""The dynamic semantic radius of SupCLAP: a 3-layer MLP from an anchor's similarity
+    row to its radius :math:`R_i`.
+
+    The row is made fixed-size and permutation-invariant before the MLP:
+
+    .. math::
+
+        f_i = \big[s_{ii},\ s_{i\pi(1)}, \dots, s_{i\pi(F-1)}\big], \qquad
+        R_i = W_3\,\mathrm{ReLU}(W_2\,\mathrm{ReLU}(W_1 f_i + b_1) + b_2) + b_3,
+
+    with :math:`s_{ij} = \langle x_i, y_j\rangle` the cosine similarity (no temperature),
+    :math:`s_{ii}` the positive and :math:`\pi` the negatives sorted in descending order,
+    truncated to :math:`F - 1` or padded with the row's minimum similarity — so any batch
+    size :math:`N \ge 2` works and the order of the negatives does not matter. The row is
+    detached: the predictor learns only through the SVR and constraint terms, and the
+    embeddings' gradient is the one of :func:`~contrastive_losses.functional.support_vector_term`
+    at the predicted :math:`R`. The output is unconstrained (the regulariser's constraint
+    term penalises :math:`R < 0`). The last layer starts at zero weight and bias
+    ``radius_init``, so every anchor starts at the same radius.
+
+    Args:
+        num_features: :math:`F \ge 2`, the positive plus :math:`F - 1` negatives.
+        hidden: width of the two hidden layers.
+        radius_init: the initial radius (bias of the last layer).
+
+    Shape:
+        ``forward(similarities (..., B, N), offset=0, mask=(..., N))`` -> ``(..., B)``; the
+        positive of row ``r`` is column ``offset + r``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses import RadiusPredictor
+        >>> predictor = RadiusPredictor(num_features=8, radius_init=0.1)
+        >>> sims = torch.randn(5, 5).clamp(-1, 1)
+        >>> predictor(sims)
+        tensor([0.1000, 0.1000, 0.1000, 0.1000, 0.1000], grad_fn=<SqueezeBackward1>)
+    """
+
+    def __init__(self, num_features: int = 32, hidden: int = 64, radius_init: float = 0.1) -> None:
+        super().__init__()
+        self.num_features = _checks.check_int(num_features, "num_features", 2)
+        _checks.check_int(hidden, "hidden", 1)
+        _checks.check_non_negative(radius_init, "radius_init")
+        last = nn.Linear(hidden, 1)
+        nn.init.zeros_(last.weight)
+        nn.init.constant_(last.bias, float(radius_init))
+        self.mlp = nn.Sequential(
+            nn.Linear(num_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), last
+        )
+
+    def features(self, similarities: Tensor, offset: int = 0, mask: Tensor | None = None) -> Tensor:
+        """The detached ``(..., B, num_features)`` input rows ``[s_pos, sorted negatives]``."""
+        s = _checks.check_tensor(similarities, "similarities")
+        _checks.check_float(s, "similarities")
+        if s.dim() < 2:
+            raise ValueError(
+                f"similarities: expected shape (..., B, N), got shape {tuple(s.shape)}"
+            )
+        b, n = s.shape[-2], s.shape[-1]
+        if n < 2:
+            raise ValueError(f"similarities: need N >= 2 candidates (a negative), got N={n}")
+        if offset < 0 or offset + b > n:
+            raise ValueError(f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns")
+        if mask is not None and tuple(mask.shape) != (*s.shape[:-2], n):
+            raise ValueError(f"mask: expected shape {(*s.shape[:-2], n)}, got {tuple(mask.shape)}")
+        return _radius_features(s, self.num_features, offset, mask)
+
+    def forward(self, similarities: Tensor, offset: int = 0, mask: Tensor | None = None) -> Tensor:
+        f = self.features(similarities, offset, mask)
+        dtype = next(self.parameters()).dtype
+        return self.mlp(f.to(dtype)).squeeze(-1).to(similarities.dtype)
+
+
+class SupportVectorRegularizer(nn.Module):
+    r"""SupCLAP's support vector regularisation around any loss of this library.
+
+    .. math::
+
+        \mathcal{L} = \mathcal{L}_{base}
+            + \alpha\,\mathcal{L}_{svr} + \beta\,\mathcal{L}_{con}, \qquad
+        \mathcal{L}_{con} = \operatorname{mean}_i\big(
+            \mathrm{ReLU}(R_i - \lVert a_i - t_i\rVert) + \mathrm{ReLU}(-R_i)\big),
+
+    where :math:`\mathcal{L}_{svr}` is
+    :func:`~contrastive_losses.functional.support_vector_term` on every
+    ``(audio, text)`` pair the base contrasts (its ``contrastive_pairs``: one for
+    InfoNCE and SigLIP, one per language for KCL with absent captions masked, three for
+    CACL), text anchors for ``direction="uni"`` and the mean of text and audio anchors for
+    ``"bi"``; the mean runs over all present anchors of all pairs (for KCL the same
+    weighting as the base). :math:`\lVert a_i - t_i\rVert` is detached in the
+    constraint: it trains the radius and never pushes a positive pair apart.
+
+    Radius: ``"static"`` — one learnable scalar shared by both directions;
+    ``"dynamic"`` — a :class:`RadiusPredictor` per anchor (shared by both directions);
+    a float — fixed. The SVR logits use the base's ``temperature`` (SigLIP: ``1/scale``)
+    unless ``temperature`` is given. ``normalize`` and ``gather`` follow the base; under
+    ``gather`` the anchors are this rank's rows against the global batch, scaled like the
+    base so the mean over ranks is the single-process loss. A base whose forward draws
+    randomness (CACL without ``other``) exposes ``resolve_inputs``; it is called once so
+    the base loss and the SVR see the same draw.
+
+    The SVR term falls as :math:`R` grows (the support vector moves onto its positive), so
+    a learned radius rises until the constraint holds it. Watch ``radius_over_distance``:
+    where :math:`R_i > \lVert a_i - t_i\rVert` the perpendicular pushes are reversed
+    rather than damped. In ``benchmarks/study_svr_controlled.py`` the dynamic radius with
+    ``beta=0.01`` ended above the distance for nearly every anchor; ``beta=1`` kept it
+    below for about 90%.
+
+    Args:
+        base: a loss Module with ``contrastive_pairs`` (:class:`~contrastive_losses.InfoNCELoss`,
+            :class:`~contrastive_losses.SigLIPLoss`, :class:`~contrastive_losses.KCLLoss`,
+            :class:`~contrastive_losses.CACLLoss`) and ``reduction="mean"``.
+        radius: ``"static"``, ``"dynamic"`` (default) or a fixed float ``>= 0``.
+        direction: ``"bi"`` (default) or ``"uni"`` (text anchors only).
+        alpha: weight of the SVR term (default 1.0).
+        beta: weight of the constraint term (default 0.01).
+        constraint: add the constraint term; ``None`` means on for ``"dynamic"`` only.
+        radius_init: initial radius, static or dynamic (default 0.1).
+        num_features: predictor input size (positive + negatives), ``>= 2``.
+        hidden: predictor hidden width.
+        temperature: fixed SVR temperature overriding the base's.
+
+    Shape:
+        ``forward(*base_args, return_terms=False, **base_kwargs)`` takes exactly the
+        base's arguments (e.g. audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)`` for
+        KCL) and returns a scalar; ``return_terms`` adds the base's terms and ``base``,
+        ``svr``, ``constraint``, ``radius_mean``/``std``/``min``/``max`` and
+        ``radius_over_distance``, the share of anchors with :math:`R_i > \lVert a_i -
+        t_i\rVert` (their perpendicular pushes are reversed, not damped), all over this
+        rank's present anchors.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses import KCLLoss, SupportVectorRegularizer
+        >>> loss_fn = SupportVectorRegularizer(KCLLoss(temperature=0.07), radius="dynamic")
+        >>> audio, text = torch.randn(8, 32), torch.randn(8, 3, 32)
+        >>> loss, terms = loss_fn(audio, text, return_terms=True)
+        >>> loss.backward()
+        >>> round(terms["radius_mean"].item(), 4)
+        0.1
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        radius: str | float = "dynamic",
+        direction: str = "bi",
+        alpha: float = 1.0,
+        beta: float = 0.01,
+        constraint: bool | None = None,
+        radius_init: float = 0.1,
+        num_features: int = 32,
+        hidden: int = 64,
+        temperature: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Module) or not callable(
+            getattr(base, "contrastive_pairs", None)
+        ):
+            raise TypeError(
+                "base: expected a loss Module exposing contrastive_pairs(...) (InfoNCELoss, "
+                f"SigLIPLoss, KCLLoss, CACLLoss), got {type(base).__name__}"
+            )
+        if temperature is None and not hasattr(base, "temperature"):
+            raise TypeError(
+                f"base: {type(base).__name__} has no temperature property; pass temperature="
+            )
+        if temperature is not None:
+            _checks.check_positive(temperature, "temperature")
+        _check_base_reduction(base)
+        _checks.check_choice(direction, "direction", DIRECTIONS)
+        _checks.check_non_negative(alpha, "alpha")
+        _checks.check_non_negative(beta, "beta")
+        _checks.check_non_negative(radius_init, "radius_init")
+        if constraint is not None and not isinstance(constraint, bool):
+            raise TypeError(f"constraint: expected None, True or False, got {constraint!r}")
+        self.base = base
+        self.direction = direction
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+        self.svr_temperature = None if temperature is None else float(temperature)
+        self.predictor: RadiusPredictor | None = None
+        if isinstance(radius, str):
+            _checks.check_choice(radius, "radius", RADIUS_MODES)
+            self.radius_mode = radius
+            if radius == "static":
+                self.radius = nn.Parameter(torch.tensor(float(radius_init)))
+            else:
+                self.predictor = RadiusPredictor(num_features, hidden, radius_init)
+        elif isinstance(radius, (int, float)) and not isinstance(radius, bool):
+            _checks.check_non_negative(radius, "radius")
+            self.radius_mode = "fixed"
+            self.register_buffer("radius", torch.tensor(float(radius)))
+        else:
+            raise TypeError(
+                f"radius: expected 'static', 'dynamic' or a float, got {type(radius).__name__}"
+            )
+        self.constraint = self.radius_mode == "dynamic" if constraint is None else constraint
+
+    def extra_repr(self) -> str:
+        return (
+            f"radius={self.radius_mode!r}, direction={self.direction!r}, alpha={self.alpha}, "
+            f"beta={self.beta}, constraint={self.constraint}"
+        )
+
+    @property
+    def temperature(self) -> Tensor | float:
+        """The SVR temperature: the override, else the base's current ``temperature``."""
+        if self.svr_temperature is not None:
+            return self.svr_temperature
+        return cast(Tensor, self.base.temperature)
+
+    def forward(
+        self, *args: Any, return_terms: bool = False, **kwargs: Any
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        _check_base_reduction(self.base)
+        resolve = getattr(self.base, "resolve_inputs", None)
+        if callable(resolve):
+            args, kwargs = resolve(*args, **kwargs)
+        terms: dict[str, Tensor] = {}
+        if return_terms:
+            base_loss, terms = self.base(*args, return_terms=True, **kwargs)
+        else:
+            base_loss = self.base(*args, **kwargs)
+        pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
+        svr, constraint, radii, over = self._regularise(pairs)
+        loss = base_loss + self.alpha * svr
+        if self.constraint:
+            loss = loss + self.beta * constraint
+        if not return_terms:
+            return loss
+        r = radii.detach()
+        terms = dict(terms)
+        terms.update(
+            base=base_loss.detach(),
+            svr=svr.detach(),
+            constraint=constraint.detach(),
+            radius_mean=r.mean(),
+            radius_std=r.std(unbiased=False),
+            radius_min=r.min(),
+            radius_max=r.max(),
+            radius_over_distance=over,
+        )
+        return loss, terms
+
+    # ------------------------------------------------------------------ internals
+
+    def _regularise(self, pairs: list[Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """SVR and constraint means over every present anchor, the radii used, and the
+        share of anchors whose radius exceeds ``||a - t||`` (their perpendicular pushes
+        change sign).
+
+        Matmuls run per pair (and per distinct tensor for the positive-candidate Gram
+        matrices, e.g. KCL's audio once for all languages); everything after them runs
+        batched over the ``Q = P`` (uni) or ``2P`` (bi) anchor/candidate problems on
+        ``(Q, b, N)`` similarity tensors.
+        """
+        if len(pairs) == 0:
+            raise ValueError("base: contrastive_pairs returned no pairs")
+        normalize = bool(getattr(self.base, "normalize", True))
+        enabled = resolve_gather(getattr(self.base, "gather", None))
+        local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
+        glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
+        grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
+        offset = 0
+
+        def prepare(x: Tensor) -> int:
+            nonlocal offset
+            key = id(x)
+            if key not in local:
+                if x.dim() != 2:
+                    raise ValueError(
+                        "base: contrastive_pairs must give (B, D) tensors, got shape "
+                        f"{tuple(x.shape)}"
+                    )
+                local[key] = F.normalize(x, dim=-1) if normalize else x
+                glob[key], offset = _gather(local[key], enabled)
+            return key
+
+        def gram(key: int) -> Tensor:
+            if key not in grams:
+                grams[key] = _gram(local[key], glob[key], enabled)
+            return grams[key]
+
+        keys = [(prepare(p.audio), prepare(p.text)) for p in pairs]
+        shapes = {tuple(x.shape) for x in local.values()}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"base: contrastive_pairs gave tensors of shapes {sorted(shapes)}; every pair "
+                "needs (B, D) audio and text of one shape"
+            )
+        b = next(iter(local.values())).shape[0]
+
+        def stack(xs: list[Tensor]) -> Tensor:
+            return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
+
+        # text anchors against the audio: s_ij = <t_i, a_j>, g_ij = <a_i, a_j>
+        sims = stack([local[t] @ glob[a].T for a, t in keys])  # (P, b, N)
+        pos_sims = stack([gram(a) for a, _ in keys])  # (P, b, N)
+        dist = stack([_distance(local[t], local[a]) for a, t in keys])  # (P, b)
+        if self.direction == "bi":  # audio anchors against the text
+            if enabled:
+                mirror = stack([local[a] @ glob[t].T for a, t in keys])
+            else:
+                mirror = sims.transpose(1, 2)  # <a_i, t_j> = <t_j, a_i>
+            sims = torch.cat([sims, mirror])  # (2P, b, N)
+            pos_sims = torch.cat([pos_sims, stack([gram(t) for _, t in keys])])
+            dist = torch.cat([dist, dist])
+
+        row_mask = col_mask = None
+        if any(p.mask is not None for p in pairs):
+            ones = torch.ones(b, dtype=torch.bool, device=sims.device)
+            mask = torch.stack([ones if p.mask is None else p.mask for p in pairs], dim=1)
+            mask = mask.repeat(1, sims.shape[0] // len(pairs))  # (b, Q)
+            row_mask = mask.T  # (Q, b)
+            col_mask = (all_gather_no_grad(mask) if enabled else mask).T.contiguous()  # (Q, N)
+
+        if self.predictor is None:
+            radius = self.radius.to(sims.dtype)  # ()
+        else:  # the cosine similarity rows, detached inside the predictor
+            radius = self.predictor(sims, offset, col_mask)  # (Q, b)
+        rows = _support_vector_rows(
+            sims, pos_sims, dist, radius, self.temperature, offset, col_mask
+        )  # (Q, b)
+        con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
+        radii = radius.expand_as(rows)
+        over = (radius.detach() > dist.detach()).expand_as(rows)
+        con = con.expand_as(rows)
+        if row_mask is not None:
+            rows = torch.where(row_mask, rows, torch.zeros_like(rows))
+            con = torch.where(row_mask, con, torch.zeros_like(con))
+            radii = radii[row_mask]
+            over = over[row_mask]
+        batch = _batch(offset, sims.shape[-1], enabled)
+        count: Tensor | int = batch.n_global * rows.shape[0]
+        if col_mask is not None:
+            count = col_mask.sum().clamp_min(1)
+        svr = _reduce(rows, "mean", count, batch)
+        constraint = _reduce(con, "mean", count, batch)
+        return svr, constraint, radii.reshape(-1), over.to(rows.dtype).mean()
+
+
+def _check_base_reduction(base: nn.Module) -> None:
+    reduction = getattr(base, "reduction", "mean")
+    if reduction != "mean":
+        raise ValueError(
+            f"base: SupportVectorRegularizer needs the base loss with reduction='mean' "
+            f"(its SVR and constraint terms are batch means), got reduction={reduction!r}"
+        )

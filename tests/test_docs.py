@@ -1,0 +1,80 @@
+"""The docs build with warnings as errors, their examples pass, and so do the docstrings'.
+
+* ``sphinx-build -W -b html`` then ``-b doctest`` on ``docs/`` (the doctest builder runs
+  the method pages' snippets and, through autodoc, every docstring in the API reference);
+* ``doctest`` over every module of the package (the docstrings, without Sphinx);
+* the DDP script shown on the "use it in your trainer" page, on two CPU processes.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import contrastive_losses
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("CL_DOCS_INTERSPHINX", None)  # never fetch inventories in tests
+    return env
+
+
+def _sphinx(builder: str, out: Path, doctrees: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", builder]
+    cmd += ["-d", str(doctrees), str(DOCS), str(out / builder)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+
+
+def test_sphinx_html_and_doctest(tmp_path: Path) -> None:
+    pytest.importorskip("sphinx")
+    # One test, both builders in turn: they share the parsed doctrees, and the API pages
+    # that the build writes into docs/api/generated/ are written by one process only.
+    doctrees = tmp_path / "doctrees"
+    html = _sphinx("html", tmp_path, doctrees)
+    assert html.returncode == 0, f"sphinx -W -b html failed:\n{html.stdout}\n{html.stderr}"
+    for page in ("index", "methods/kcl", "api/index", "api/generated/contrastive_losses"):
+        assert (tmp_path / "html" / f"{page}.html").is_file(), page
+    tests = _sphinx("doctest", tmp_path, doctrees)
+    report = (tmp_path / "doctest" / "output.txt").read_text() if tests.returncode == 0 else ""
+    assert tests.returncode == 0, f"sphinx -b doctest failed:\n{tests.stdout}\n{tests.stderr}"
+    assert " 0 failures in tests" in report, report
+
+
+def _package_modules() -> list[str]:
+    names = [contrastive_losses.__name__]
+    prefix = contrastive_losses.__name__ + "."
+    names += [m.name for m in pkgutil.walk_packages(contrastive_losses.__path__, prefix)]
+    return sorted(names)
+
+
+@pytest.mark.parametrize("name", _package_modules())
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module(name)
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(module, optionflags=flags, report=True)
+    assert result.failed == 0, f"{result.failed} docstring example(s) of {name} failed"
+
+
+def test_ddp_snippet_runs_on_two_processes() -> None:
+    script = DOCS / "snippets" / "ddp_train.py"
+    # --standalone: rendezvous on a free localhost port, so parallel test runs do not clash.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = _env() | {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([*cmd, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    temperatures = [line for line in run.stdout.splitlines() if line.startswith("temperature")]
+    assert len(temperatures) == 1, run.stdout
+    values = [v.strip() for v in temperatures[0].split(":", 1)[1].strip(" []").split(",")]
+    assert len(set(values)) == 1, f"ranks disagree on the learnable temperature: {values}"

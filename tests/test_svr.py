@@ -1,0 +1,690 @@
+"""SupportVectorRegularizer, RadiusPredictor and functional.support_vector_term against the
+SupCLAP loop references, gradcheck, the App. D gradient property, bad inputs, and a
+two-process gather run."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+import reference as ref
+import reference_svr as ref_svr
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import F64, RANK_SIZES, randn, random_mask, rank_data, rank_rows, spawn_ranks
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call
+
+from contrastive_losses import (
+    CACLLoss,
+    InfoNCELoss,
+    KCLLoss,
+    RadiusPredictor,
+    SigLIPLoss,
+    SupportVectorRegularizer,
+    sample_languages,
+)
+from contrastive_losses import functional as CF
+
+
+def randomise(module: nn.Module, seed: int = 0, std: float = 0.3) -> nn.Module:
+    """Random weights everywhere (the predictor's last layer starts at zero weight, which
+    would make it a constant and every invariance test vacuous)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std + 0.2)
+    return module
+
+
+# ------------------------------------------------------------------ functional vs reference
+
+
+@pytest.mark.parametrize("temperature", [0.07, 0.5])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_support_vector_term_matches_reference(gen, temperature, per_row, masked):
+    t, a = randn(gen, 6, 5), randn(gen, 6, 5)
+    radius = torch.rand(6, generator=gen, dtype=F64) if per_row else 0.4
+    radii = list(radius) if per_row else [radius] * 6
+    mask = torch.tensor([True, False, True, True, False, True]) if masked else None
+    out = CF.support_vector_term(t, a, radius, temperature, mask=mask)
+    expected = ref_svr.support_vector_term(
+        t, a, radii, temperature, None if mask is None else mask.tolist()
+    )
+    torch.testing.assert_close(out, expected)
+
+
+def test_support_vector_term_reductions(gen):
+    t, a = randn(gen, 5, 4), randn(gen, 5, 4)
+    mask = torch.tensor([True, True, False, True, True])
+    per_row = CF.support_vector_term(t, a, 0.3, mask=mask, reduction="none")
+    assert per_row.shape == (5,) and per_row[2] == 0
+    torch.testing.assert_close(CF.support_vector_term(t, a, 0.3, mask=mask), per_row.sum() / 4)
+    torch.testing.assert_close(
+        CF.support_vector_term(t, a, 0.3, mask=mask, reduction="sum"), per_row.sum()
+    )
+
+
+def test_zero_radius_is_the_info_nce_row_loss_and_gradient(gen):
+    """R = 0: the support vector is the anchor, the term is text->audio InfoNCE."""
+    t1, a1 = randn(gen, 7, 6).requires_grad_(), randn(gen, 7, 6).requires_grad_()
+    t2, a2 = t1.detach().clone().requires_grad_(), a1.detach().clone().requires_grad_()
+    svr = CF.support_vector_term(t1, a1, 0.0, 0.2)
+    _, terms = CF.info_nce(a2, t2, 0.2, return_terms=True)
+    plain = F.cross_entropy(F.normalize(t2) @ F.normalize(a2).T / 0.2, torch.arange(7))
+    torch.testing.assert_close(svr, plain)
+    torch.testing.assert_close(svr, terms["loss_t2a"])
+    svr.backward()
+    plain.backward()
+    torch.testing.assert_close(t1.grad, t2.grad)
+    torch.testing.assert_close(a1.grad, a2.grad)
+
+
+def test_positive_equal_to_anchor_is_finite(gen):
+    """||a_pos - t|| = 0: no direction; the row falls back to InfoNCE, no NaN/Inf."""
+    x = randn(gen, 4, 3).requires_grad_()
+    y = x.detach().clone()
+    y[1:] = randn(gen, 3, 3)  # row 0 coincides, the others do not
+    y.requires_grad_()
+    loss = CF.support_vector_term(x, y, 0.5, 0.1, reduction="none")
+    plain = F.cross_entropy(
+        F.normalize(x) @ F.normalize(y).T / 0.1, torch.arange(4), reduction="none"
+    )
+    torch.testing.assert_close(loss[0], plain[0])
+    assert not torch.isclose(loss[1], plain[1])
+    loss.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(y.grad).all()
+    svr = SupportVectorRegularizer(InfoNCELoss(0.1), radius="dynamic").double()
+    same = randn(gen, 4, 3).requires_grad_()
+    svr(same, same).backward()
+    assert torch.isfinite(same.grad).all()
+
+
+# ------------------------------------------------------------------ the App. D property
+
+
+def _unit(gen, b, d):
+    return F.normalize(randn(gen, b, d), dim=-1)
+
+
+@given(
+    st.integers(2, 6),
+    st.integers(2, 7),
+    st.integers(0, 2**31 - 1),
+    st.floats(0.0, 1.5),
+    st.floats(0.05, 2.0),
+)
+def test_gradient_keeps_parallel_and_scales_perpendicular(b, d, seed, radius, temperature):
+    """SupCLAP Eq. 16: with R fixed, d L_svr / d t_i is the sum over candidates j of the
+    plain force P_ij a_j / tau (P at the support vector; minus a_i for the positive), with
+    the component along u_i = (a_i - t_i)/||a_i - t_i|| kept and the perpendicular one
+    scaled by 1 - R/||a_i - t_i||."""
+    g = torch.Generator().manual_seed(seed)
+    t, a = _unit(g, b, d).requires_grad_(), _unit(g, b, d)
+    CF.support_vector_term(t, a, radius, temperature, normalize=False, reduction="sum").backward()
+    expected = torch.zeros(b, d, dtype=F64)
+    for i in range(b):
+        u = a[i] - t[i].detach()
+        dist = float(u.norm())
+        u_hat = u / dist
+        t_sup = t[i].detach() + radius * u_hat
+        prob = torch.softmax(a @ t_sup / temperature, dim=0)
+        for j in range(b):
+            force = (prob[j] - (1.0 if j == i else 0.0)) * a[j] / temperature
+            parallel = (force @ u_hat) * u_hat
+            expected[i] += parallel + (1 - radius / dist) * (force - parallel)
+    torch.testing.assert_close(t.grad, expected)
+
+
+# ------------------------------------------------------------------ gradcheck (float64)
+
+
+def test_gradcheck_support_vector_term(gen):
+    t, a = randn(gen, 4, 3).requires_grad_(), randn(gen, 4, 3).requires_grad_()
+    fixed = lambda x, y: CF.support_vector_term(x, y, 0.3, 0.5)  # noqa: E731
+    assert torch.autograd.gradcheck(fixed, (t, a))
+    radius = torch.tensor([0.1, 0.5, 0.2, 0.8], dtype=F64, requires_grad=True)
+    tau = torch.tensor(0.4, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(CF.support_vector_term, (t, a, radius, tau))
+    mask = torch.tensor([True, False, True, True])
+    masked = lambda x, y, r: CF.support_vector_term(x, y, r, 0.5, mask=mask)  # noqa: E731
+    assert torch.autograd.gradcheck(masked, (t, a, radius))
+
+
+def _gradcheck_module(svr: nn.Module, inputs: tuple[torch.Tensor, ...], wrt_inputs: bool) -> bool:
+    """gradcheck over the module's parameters (and the embeddings if ``wrt_inputs``)."""
+    names = [n for n, _ in svr.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for _, p in svr.named_parameters())
+    emb = tuple(
+        x.detach().clone().requires_grad_(wrt_inputs and x.is_floating_point()) for x in inputs
+    )
+
+    def fn(*flat):
+        x, p = flat[: len(emb)], flat[len(emb) :]
+        return functional_call(svr, dict(zip(names, p, strict=True)), x)
+
+    return torch.autograd.gradcheck(fn, emb + params)
+
+
+@pytest.mark.parametrize("direction", ["bi", "uni"])
+def test_gradcheck_static_and_fixed(gen, direction):
+    a, t = randn(gen, 4, 3), randn(gen, 4, 2, 3)
+    mask = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
+    for radius in ("static", 0.3):
+        svr = SupportVectorRegularizer(
+            KCLLoss(0.5, learnable_temperature=True),
+            radius=radius,
+            direction=direction,
+            constraint=True,
+        ).double()
+        assert _gradcheck_module(svr, (a, t, mask), wrt_inputs=True)
+
+
+@pytest.mark.parametrize("base", ["info_nce", "cacl"])
+def test_gradcheck_dynamic(gen, base):
+    """Dynamic: the predictor reads a detached similarity row, so the embeddings'
+    gradient is the fixed-R one at the predicted R (checked below); gradcheck covers the
+    predictor's parameters and the base's temperature."""
+    a, e, o = randn(gen, 4, 3), randn(gen, 4, 3), randn(gen, 4, 3)
+    loss = InfoNCELoss(0.5, learnable_temperature=True) if base == "info_nce" else CACLLoss(0.5)
+    svr = randomise(SupportVectorRegularizer(loss, radius="dynamic", num_features=3, hidden=4))
+    svr = svr.double()
+    inputs = (a, e) if base == "info_nce" else (a, e, o)
+    assert _gradcheck_module(svr, inputs, wrt_inputs=False)
+
+
+def test_dynamic_embedding_gradient_is_the_fixed_radius_gradient(gen):
+    a1, t1 = randn(gen, 5, 4).requires_grad_(), randn(gen, 5, 4).requires_grad_()
+    svr = randomise(SupportVectorRegularizer(InfoNCELoss(0.3), radius="dynamic", num_features=4))
+    svr = svr.double()
+    svr(a1, t1).backward()
+    a2, t2 = a1.detach().clone().requires_grad_(), t1.detach().clone().requires_grad_()
+    with torch.no_grad():
+        an, tn = F.normalize(a2), F.normalize(t2)
+        r_t = svr.predictor(tn @ an.T)
+        r_a = svr.predictor(an @ tn.T)
+    svr_terms = (
+        CF.support_vector_term(t2, a2, r_t, 0.3) + CF.support_vector_term(a2, t2, r_a, 0.3)
+    ) / 2
+    con = ((r_t - (an - tn).norm(dim=-1)).relu() + (-r_t).relu()).mean()  # constant here
+    (CF.info_nce(a2, t2, 0.3) + svr_terms + 0.01 * con).backward()
+    torch.testing.assert_close(a1.grad, a2.grad)
+    torch.testing.assert_close(t1.grad, t2.grad)
+
+
+# ------------------------------------------------------------------ Module vs reference
+
+
+def _radius_of(svr: SupportVectorRegularizer):
+    if svr.predictor is None:
+        return lambda d, p, i, sims, pos: svr.radius
+    n_feat = svr.predictor.num_features
+
+    def predict(d, p, i, sims, pos):
+        feats = torch.tensor(ref_svr.radius_features(sims, pos, n_feat), dtype=F64)
+        return svr.predictor.mlp(feats)[0]
+
+    return predict
+
+
+def _base_and_pairs(name, gen):
+    """A base loss, its forward args, its reference value and its pairs as loops see them."""
+    b = 6
+    a, t = randn(gen, b, 5), randn(gen, b, 3, 5)
+    if name == "info_nce":
+        base = InfoNCELoss(0.2)
+        return base, (a, t[:, 0]), ref.info_nce(a, t[:, 0], 0.2), [(a, t[:, 0], None)], 0.2
+    if name == "siglip":
+        base = SigLIPLoss(4.0, -2.0)
+        value = ref.siglip(a, t[:, 0], 4.0, -2.0)
+        return base, (a, t[:, 0]), value, [(a, t[:, 0], None)], 1 / 4.0
+    if name == "kcl":
+        mask = random_mask(gen, b, 3)
+        pairs = [(a, t[:, k], mask[:, k].tolist()) for k in range(3)]
+        return KCLLoss(0.2), (a, t, mask), ref.kcl(a, t, 0.2, mask.tolist()), pairs, 0.2
+    idx = torch.tensor([1, 2, 2, 1, 1, 2])
+    o = t[torch.arange(b), idx]
+    pairs = [(a, t[:, 0], None), (a, o, None), (t[:, 0], o, None)]
+    return CACLLoss(0.2), (a, t, idx), ref.cacl(a, t[:, 0], o, 0.2), pairs, 0.2
+
+
+@pytest.mark.parametrize("base_name", ["info_nce", "siglip", "kcl", "cacl"])
+@pytest.mark.parametrize("radius", ["static", "dynamic", 0.25])
+@pytest.mark.parametrize("direction", ["bi", "uni"])
+def test_module_matches_reference(gen, base_name, radius, direction):
+    base, args, base_value, pairs, tau = _base_and_pairs(base_name, gen)
+    svr = SupportVectorRegularizer(
+        base,
+        radius=radius,
+        direction=direction,
+        alpha=0.7,
+        beta=0.3,
+        constraint=True,
+        radius_init=0.4,
+        num_features=4,
+    )
+    if svr.predictor is not None:
+        randomise(svr.predictor, std=0.2)
+    svr = svr.double()
+    if radius == "static":
+        with torch.no_grad():
+            svr.radius.fill_(0.3)
+    loss, terms = svr(*args, return_terms=True)
+    with torch.no_grad():
+        svr_ref, con_ref = ref_svr.regularizer(pairs, _radius_of(svr), tau, direction)
+    torch.testing.assert_close(terms["base"], base_value.detach())
+    torch.testing.assert_close(terms["svr"], svr_ref.detach())
+    torch.testing.assert_close(terms["constraint"], con_ref.detach())
+    torch.testing.assert_close(loss, base_value + 0.7 * svr_ref + 0.3 * con_ref)
+
+
+def test_constraint_defaults_and_weights(gen):
+    a, t = randn(gen, 6, 4), randn(gen, 6, 4)
+    dynamic = SupportVectorRegularizer(InfoNCELoss(), radius="dynamic")
+    static = SupportVectorRegularizer(InfoNCELoss(), radius="static", radius_init=3.0)
+    assert dynamic.constraint and not static.constraint
+    assert (dynamic.alpha, dynamic.beta) == (1.0, 0.01)
+    for svr in (dynamic, static):
+        loss, terms = svr.double()(a, t, return_terms=True)
+        on = terms["base"] + svr.alpha * terms["svr"]
+        if svr.constraint:
+            on = on + svr.beta * terms["constraint"]
+        torch.testing.assert_close(loss, on)
+    # R = 3 exceeds every ||a - t|| <= 2: the constraint is R - ||a - t|| on average
+    _, terms = static(a, t, return_terms=True)
+    dist = (F.normalize(a) - F.normalize(t)).norm(dim=-1)
+    torch.testing.assert_close(terms["constraint"], (3.0 - dist).mean())
+    assert terms["radius_over_distance"] == 1
+
+
+def test_uni_is_the_text_anchor_half_of_bi(gen):
+    a, t = randn(gen, 6, 4), randn(gen, 6, 4)
+    bi = SupportVectorRegularizer(InfoNCELoss(0.2), radius=0.3).double()
+    uni = SupportVectorRegularizer(InfoNCELoss(0.2), radius=0.3, direction="uni").double()
+    t2a = CF.support_vector_term(t, a, 0.3, 0.2)
+    a2t = CF.support_vector_term(a, t, 0.3, 0.2)
+    torch.testing.assert_close(uni(a, t, return_terms=True)[1]["svr"], t2a)
+    torch.testing.assert_close(bi(a, t, return_terms=True)[1]["svr"], (t2a + a2t) / 2)
+
+
+def test_kcl_absent_captions_get_no_svr_gradient(gen):
+    a, t = randn(gen, 5, 4).requires_grad_(), randn(gen, 5, 3, 4).requires_grad_()
+    mask = torch.ones(5, 3, dtype=torch.bool)
+    mask[1, 2] = mask[3, 1] = False
+    svr = SupportVectorRegularizer(KCLLoss(0.2), radius="dynamic").double()
+    _, terms = svr(a, t, mask, return_terms=True)
+    terms_svr = svr._regularise(KCLLoss().contrastive_pairs(a, t, mask))[0]
+    terms_svr.backward()
+    assert torch.isfinite(t.grad).all() and torch.isfinite(a.grad).all()
+    assert t.grad[1, 2].abs().max() == 0 and t.grad[3, 1].abs().max() == 0
+    assert t.grad[1, 1].abs().max() > 0
+    torch.testing.assert_close(terms["svr"], terms_svr.detach())
+
+
+def test_cacl_base_and_pairs_use_one_language_draw(gen):
+    """Without an explicit ``other`` CACL draws a language; the base loss and the SVR
+    pairs must see the same draw (a second draw would give a different triplet)."""
+    a, t = randn(gen, 8, 4), randn(gen, 8, 5, 4)
+    svr = SupportVectorRegularizer(CACLLoss(0.2), radius=0.3).double()
+    rows = torch.arange(8)
+
+    def expected(idx):
+        o = t[rows, idx]
+        svr_ref, _ = ref_svr.regularizer(
+            [(a, t[:, 0], None), (a, o, None), (t[:, 0], o, None)],
+            lambda *_: 0.3,
+            0.2,
+            "bi",
+        )
+        return CF.cacl(a, t[:, 0], o, 0.2) + svr_ref
+
+    out = svr(a, t, generator=torch.Generator().manual_seed(5))
+    idx = sample_languages(5, batch_size=8, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(out, expected(idx))
+    torch.manual_seed(11)  # the global RNG too
+    out = svr(a, t)
+    torch.manual_seed(11)
+    torch.testing.assert_close(out, expected(sample_languages(5, batch_size=8)))
+
+
+def test_temperature_follows_base_unless_given(gen):
+    a, t = randn(gen, 6, 4), randn(gen, 6, 4)
+    base = InfoNCELoss(0.1, learnable_temperature=True).double()
+    svr = SupportVectorRegularizer(base, radius=0.2, direction="uni")
+    with torch.no_grad():
+        base.log_logit_scale.fill_(torch.log(torch.tensor(1 / 0.3)).item())
+    expected = CF.support_vector_term(t, a, 0.2, 0.3)
+    torch.testing.assert_close(svr(a, t, return_terms=True)[1]["svr"], expected)
+    loss = svr(a, t)
+    loss.backward()
+    assert base.log_logit_scale.grad != 0
+    fixed = SupportVectorRegularizer(base, radius=0.2, direction="uni", temperature=0.05)
+    got = fixed(a, t, return_terms=True)[1]["svr"]
+    torch.testing.assert_close(got, CF.support_vector_term(t, a, 0.2, 0.05))
+    siglip = SupportVectorRegularizer(SigLIPLoss(8.0), radius=0.2, direction="uni").double()
+    got = siglip(a, t, return_terms=True)[1]["svr"]
+    torch.testing.assert_close(got, CF.support_vector_term(t, a, 0.2, 1 / 8.0))
+
+
+def test_return_terms_are_detached_and_describe_the_radius(gen):
+    a, t = randn(gen, 6, 4).requires_grad_(), randn(gen, 6, 3, 4)
+    svr = randomise(SupportVectorRegularizer(KCLLoss(), radius="dynamic")).double()
+    an, tn = F.normalize(a.detach(), dim=-1), F.normalize(t, dim=-1)
+    dist = (an[:, None] - tn).norm(dim=-1).T.reshape(-1)  # (K*B,) language-major
+
+    def predicted():
+        return torch.cat(
+            [svr.predictor(tn[:, k] @ an.T) for k in range(3)]
+            + [svr.predictor(an @ tn[:, k].T) for k in range(3)]
+        ).detach()
+
+    with torch.no_grad():  # centre the radii on the distances so both sides occur
+        svr.predictor.mlp[-1].bias -= predicted().median() - dist.median()
+    radii = predicted()
+    loss, terms = svr(a, t, return_terms=True)
+    assert loss.requires_grad and not any(v.requires_grad for v in terms.values())
+    assert {"loss_a2t", "loss_t2a", "temperature", "base", "svr", "constraint"} <= set(terms)
+    torch.testing.assert_close(terms["radius_mean"], radii.mean())
+    torch.testing.assert_close(terms["radius_std"], radii.std(unbiased=False))
+    torch.testing.assert_close(terms["radius_min"], radii.min())
+    torch.testing.assert_close(terms["radius_max"], radii.max())
+    assert terms["radius_std"] > 0
+    over = (radii > torch.cat([dist, dist])).to(F64).mean()
+    torch.testing.assert_close(terms["radius_over_distance"], over)
+    assert 0 < over < 1  # the check above sees both cases
+    torch.testing.assert_close(svr(a, t), loss)  # return_terms does not change the loss
+
+
+# ------------------------------------------------------------------ parameters and state
+
+
+@pytest.mark.parametrize("radius", ["static", "dynamic"])
+def test_parameters_train_and_state_dict_round_trips(gen, radius):
+    a, t = randn(gen, 8, 4).float(), randn(gen, 8, 4).float()
+    svr = SupportVectorRegularizer(InfoNCELoss(), radius=radius)
+    params = dict(svr.named_parameters())
+    assert set(params) == (
+        {"radius"}
+        if radius == "static"
+        else {f"predictor.mlp.{i}.{w}" for i in (0, 2, 4) for w in ("weight", "bias")}
+    )
+    before = {k: v.detach().clone() for k, v in params.items()}
+    opt = torch.optim.SGD(svr.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        svr(a, t).backward()
+        opt.step()
+    assert any(not torch.equal(before[k], v) for k, v in svr.named_parameters())
+    buffer = io.BytesIO()
+    torch.save(svr.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = SupportVectorRegularizer(InfoNCELoss(), radius=radius)
+    fresh.load_state_dict(torch.load(buffer))
+    torch.testing.assert_close(fresh(a, t), svr(a, t))
+
+
+def test_fixed_radius_is_a_buffer_not_a_parameter():
+    svr = SupportVectorRegularizer(InfoNCELoss(), radius=0.2)
+    assert list(svr.parameters()) == [] and float(svr.state_dict()["radius"]) == pytest.approx(0.2)
+
+
+# ------------------------------------------------------------------ RadiusPredictor
+
+
+def test_predictor_starts_at_radius_init():
+    predictor = RadiusPredictor(num_features=6, radius_init=0.25)
+    out = predictor(torch.rand(9, 9) * 2 - 1)
+    torch.testing.assert_close(out, torch.full((9,), 0.25))
+
+
+@given(st.integers(2, 40), st.integers(2, 12), st.integers(0, 2**31 - 1))
+def test_predictor_features_match_reference(n, num_features, seed):
+    g = torch.Generator().manual_seed(seed)
+    b = max(1, n // 2)
+    offset = n - b
+    sims = torch.rand(b, n, generator=g, dtype=F64) * 2 - 1
+    feats = RadiusPredictor(num_features).features(sims, offset)
+    for r in range(b):
+        row = sims[r].tolist()
+        expected = ref_svr.radius_features(row, offset + r, num_features)
+        torch.testing.assert_close(feats[r], torch.tensor(expected, dtype=F64))
+
+
+@given(st.integers(2, 40), st.integers(0, 2**31 - 1))
+def test_predictor_any_batch_size_and_permutation_invariant(n, seed):
+    """Any N >= 2 gives one finite radius per anchor; permuting the negatives of a row
+    (every column but the positive) leaves its radius unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    predictor = randomise(RadiusPredictor(num_features=8, hidden=16), seed=seed % 1000).double()
+    sims = torch.rand(n, n, generator=g, dtype=F64) * 2 - 1
+    out = predictor(sims)
+    assert out.shape == (n,) and torch.isfinite(out).all()
+    assert n < 3 or out.unique().numel() > 1  # random weights: radii differ between rows
+    perm = torch.randperm(n, generator=g)
+    permuted = sims[:, perm]  # the positive of row r moves to column where perm == r
+    moved = torch.argsort(perm)
+    # Put each row's positive back on the diagonal by swapping two columns in that row.
+    fixed = permuted.clone()
+    for r in range(n):
+        c = int(moved[r])
+        fixed[r, [r, c]] = permuted[r, [c, r]]
+    torch.testing.assert_close(predictor(fixed), out)
+
+
+def test_predictor_masked_candidates_are_ignored(gen):
+    """An absent candidate is neither a negative nor the row minimum."""
+    predictor = randomise(RadiusPredictor(num_features=5)).double()
+    sims = torch.rand(4, 6, generator=gen, dtype=F64)
+    sims[:, 2] = -5.0  # absent column: were it used, it would be the top of the padding
+    mask = torch.tensor([True, True, False, True, True, True])
+    keep = [0, 1, 3, 4, 5]
+    feats = predictor.features(sims, 0, mask)
+    out = predictor(sims, 0, mask)
+    for r in (0, 1, 3):  # present rows; the positive of row r is column r
+        row = sims[r, keep].tolist()
+        expected = torch.tensor(ref_svr.radius_features(row, keep.index(r), 5), dtype=F64)
+        torch.testing.assert_close(feats[r], expected)
+        torch.testing.assert_close(out[r], predictor.mlp(expected)[0])
+
+
+# ------------------------------------------------------------------ bad inputs
+
+
+class _NotALoss(nn.Module):
+    def forward(self, a, t):
+        return (a - t).pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), radius="adaptive"), ValueError, "radius"),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), radius=-0.1), ValueError, "radius"),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), radius=float("nan")),
+            ValueError,
+            "radius",
+        ),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), radius=True), TypeError, "radius"),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), direction="both"),
+            ValueError,
+            "direction",
+        ),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), alpha=-1.0), ValueError, "alpha"),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), beta=-0.01), ValueError, "beta"),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), beta=float("nan")), ValueError, "beta"),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), alpha="1"), TypeError, "alpha"),
+        (lambda: SupportVectorRegularizer(_NotALoss()), TypeError, "base: expected a loss Module"),
+        (lambda: SupportVectorRegularizer(nn.Linear(2, 2)), TypeError, "base"),
+        (lambda: SupportVectorRegularizer(CF.info_nce), TypeError, "base"),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(reduction="none")),
+            ValueError,
+            "base: .*reduction='mean'",
+        ),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), constraint=1), TypeError, "constraint"),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), num_features=1),
+            ValueError,
+            "num_features",
+        ),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), num_features=2.5),
+            TypeError,
+            "num_features",
+        ),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), temperature=0.0),
+            ValueError,
+            "temperature",
+        ),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), radius_init=-1.0),
+            ValueError,
+            "radius_init",
+        ),
+        (lambda: RadiusPredictor(num_features=1), ValueError, "num_features"),
+        (lambda: RadiusPredictor(hidden=0), ValueError, "hidden"),
+    ],
+)
+def test_bad_construction_names_the_argument(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def _good(gen):
+    return randn(gen, 4, 3), randn(gen, 4, 3)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda t, a: CF.support_vector_term(t, a, torch.ones(3)), ValueError, r"radius: .*\(4,\)"),
+        (lambda t, a: CF.support_vector_term(t, a, torch.ones(4, 1)), ValueError, "radius"),
+        (
+            lambda t, a: CF.support_vector_term(t, a, torch.tensor(float("nan"))),
+            ValueError,
+            "radius",
+        ),
+        (lambda t, a: CF.support_vector_term(t, a, float("inf")), ValueError, "radius"),
+        (lambda t, a: CF.support_vector_term(t, a, "0.1"), TypeError, "radius"),
+        (lambda t, a: CF.support_vector_term(t, a, torch.ones(4).long()), TypeError, "radius"),
+        (lambda t, a: CF.support_vector_term(t, a[:3], 0.1), ValueError, "candidates: batch size"),
+        (lambda t, a: CF.support_vector_term(t[0], a, 0.1), ValueError, "anchor: expected shape"),
+        (lambda t, a: CF.support_vector_term(t, a, 0.1, 0.0), ValueError, "temperature"),
+        (lambda t, a: CF.support_vector_term(t, a, 0.1, reduction="avg"), ValueError, "reduction"),
+        (
+            lambda t, a: CF.support_vector_term(t, a, 0.1, mask=torch.ones(3).bool()),
+            ValueError,
+            "mask",
+        ),
+        (lambda t, a: CF.support_vector_term(t, a, 0.1, mask=torch.ones(4)), TypeError, "mask"),
+        (
+            lambda t, a: RadiusPredictor(4)(torch.rand(3, 1)),
+            ValueError,
+            "similarities: need N >= 2",
+        ),
+        (lambda t, a: RadiusPredictor(4)(torch.rand(3)), ValueError, "similarities"),
+    ],
+)
+def test_bad_call_names_the_argument(gen, call, error, match):
+    t, a = _good(gen)
+    with pytest.raises(error, match=match):
+        call(t, a)
+
+
+@pytest.mark.parametrize("which", ["anchor", "candidates"])
+def test_nan_embeddings_are_rejected(gen, which):
+    t, a = _good(gen)
+    (t if which == "anchor" else a)[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=f"{which}: contains 1 NaN"):
+        CF.support_vector_term(t, a, 0.1)
+    with pytest.raises(ValueError, match="contains 1 NaN"):
+        SupportVectorRegularizer(InfoNCELoss()).double()(a, t)
+
+
+# ------------------------------------------------------------------ two ranks, gloo
+
+
+def _dist_cases():
+    """name -> (regulariser factory, call(loss_fn, audio, text, mask))."""
+
+    def make(base_factory, radius, direction="bi"):
+        def factory():
+            torch.manual_seed(0)  # identical predictor weights on every rank
+            svr = SupportVectorRegularizer(
+                base_factory(),
+                radius=radius,
+                direction=direction,
+                beta=0.5,
+                constraint=True,
+                radius_init=0.7,
+                num_features=4,
+            )
+            return randomise(svr).double() if radius == "dynamic" else svr.double()
+
+        return factory
+
+    info = lambda f, a, t, m: f(a, t[:, 0])  # noqa: E731
+    kcl = lambda f, a, t, m: f(a, t, m)  # noqa: E731
+    return {
+        "info_nce_static": (make(lambda: InfoNCELoss(0.2), "static"), info),
+        "info_nce_dynamic_uni": (make(lambda: InfoNCELoss(0.2), "dynamic", "uni"), info),
+        "kcl_dynamic": (make(lambda: KCLLoss(0.2), "dynamic"), kcl),
+        "kcl_fixed": (make(lambda: KCLLoss(0.2), 0.3), kcl),
+    }
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        data = rank_data()
+        rows = rank_rows(rank)
+        results = {}
+        for name, (factory, call) in _dist_cases().items():
+            loss_fn = factory()
+            a = data["audio"][rows].clone().requires_grad_()
+            t = data["text"][rows].clone().requires_grad_()
+            loss = call(loss_fn, a, t, data["mask"][rows])
+            loss.backward()
+            params = {n: p.grad for n, p in loss_fn.named_parameters()}
+            results[name] = (loss.detach(), a.grad, t.grad, params)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("svr_dist")
+    return spawn_ranks(_worker, out)
+
+
+@pytest.mark.parametrize("name", list(_dist_cases()))
+def test_gathered_regulariser_matches_single_process(rank_results, name):
+    factory, call = _dist_cases()[name]
+    loss_fn = factory()
+    data = rank_data()
+    a = data["audio"].clone().requires_grad_()
+    t = data["text"].clone().requires_grad_()
+    loss = call(loss_fn, a, t, data["mask"])
+    loss.backward()
+    world = len(RANK_SIZES)
+    mean_loss = sum(r[name][0] for r in rank_results) / world
+    torch.testing.assert_close(mean_loss, loss.detach(), rtol=1e-6, atol=0)
+    grad_a = torch.cat([r[name][1] for r in rank_results]) / world
+    grad_t = torch.cat([r[name][2] for r in rank_results]) / world
+    torch.testing.assert_close(grad_a, a.grad, rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(grad_t, t.grad, rtol=1e-6, atol=1e-12)
+    for pname, p in loss_fn.named_parameters():  # DDP averages parameter gradients
+        mean_grad = sum(r[name][3][pname] for r in rank_results) / world
+        torch.testing.assert_close(mean_grad, p.grad, rtol=1e-6, atol=1e-12)
