@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sonar-weights",
         type=_bool,
+        nargs="?",
+        const=True,
         default=True,
         help="false: random init from the directory's config (tests)",
     )
@@ -118,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--svr-beta", type=float, default=0.01)
     g.add_argument("--svr-radius-init", type=float, default=None)
     g.add_argument("--temperature", type=float, default=0.07)
-    g.add_argument("--learnable-temperature", type=_bool, default=False)
+    g.add_argument("--learnable-temperature", type=_bool, nargs="?", const=True, default=False)
     g.add_argument(
         "--kcl-negatives", default="per_language", choices=("per_language", "all_languages")
     )
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--grad-cache",
         type=_bool,
+        nargs="?",
+        const=True,
         default=False,
         help="GradCache the text tower (KCL: K*B captions in the memory of B)",
     )
@@ -188,8 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="best checkpoint: 'mean_r1' (mean R@1 over languages and directions) or a "
         "flattened retrieval_report key",
     )
-    g.add_argument("--progress", type=_bool, default=True, help="tqdm progress bars")
-    g.add_argument("--plots", type=_bool, default=True, help="PNG curves at the end")
+    g.add_argument(
+        "--progress", type=_bool, nargs="?", const=True, default=True, help="tqdm progress bars"
+    )
+    g.add_argument(
+        "--plots", type=_bool, nargs="?", const=True, default=True, help="PNG curves at the end"
+    )
     return p
 
 
