@@ -26,6 +26,7 @@ from .functional import (
     _radius_features,
     _reduce,
     _support_vector_rows,
+    l2_normalize,
 )
 
 __all__ = ["RadiusPredictor", "SupportVectorRegularizer"]
@@ -310,7 +311,7 @@ class SupportVectorRegularizer(nn.Module):
                         "base: contrastive_pairs must give (B, D) tensors, got shape "
                         f"{tuple(x.shape)}"
                     )
-                local[key] = F.normalize(x, dim=-1) if normalize else x
+                local[key] = l2_normalize(x) if normalize else x
                 glob[key], offset = _gather(local[key], enabled)
             return key
 
