@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import gc
 import json
 import math
 import os
@@ -970,5 +971,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         return trainer.fit()
     finally:
+        # DDP's reducer must be freed while its process group is alive: destroyed the
+        # other way round, gloo can abort at exit.
+        del trainer
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
