@@ -166,15 +166,23 @@ def check_reduction(reduction: str) -> None:
     check_choice(reduction, "reduction", REDUCTIONS)
 
 
-def check_ids(ids: object, name: str, batch: int, ref: Tensor) -> Tensor:
-    """Integer ``(B,)`` ids on ``ref``'s device."""
+def check_ids(
+    ids: object,
+    name: str,
+    batch: int,
+    ref: Tensor,
+    *,
+    what: str = "matching the batch",
+    ref_name: str = "the embeddings",
+) -> Tensor:
+    """Integer ``(batch,)`` ids on ``ref``'s device; ``what`` and ``ref_name`` word the errors."""
     ids = check_tensor(ids, name)
     if ids.dim() != 1 or ids.shape[0] != batch:
-        raise ValueError(f"{name}: expected shape ({batch},) matching the batch, got {_shape(ids)}")
+        raise ValueError(f"{name}: expected shape ({batch},) {what}, got {_shape(ids)}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor, got dtype {ids.dtype}")
     if ids.device != ref.device:
-        raise ValueError(f"{name}: on device {ids.device} but the embeddings are on {ref.device}")
+        raise ValueError(f"{name}: on device {ids.device} but {ref_name} is on {ref.device}")
     return ids
 
 

@@ -36,12 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from contrastive_losses._checks import (
+from ._checks import (
     _shape,
     check_choice,
     check_embeddings,
     check_finite,
     check_float,
+    check_ids,
     check_same_device_dtype,
     check_same_size,
     check_tensor,
@@ -103,17 +104,6 @@ def _check_sim(sim: object) -> Tensor:
     return sim
 
 
-def _check_id_vector(ids: object, name: str, n: int, what: str, ref: Tensor) -> Tensor:
-    ids = check_tensor(ids, name)
-    if ids.dim() != 1 or ids.shape[0] != n:
-        raise ValueError(f"{name}: expected shape ({n},), one id per {what}, got {_shape(ids)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor, got dtype {ids.dtype}")
-    if ids.device != ref.device:
-        raise ValueError(f"{name}: on device {ids.device} but sim is on {ref.device}")
-    return ids
-
-
 def _relevance_fn(
     sim: Tensor,
     relevance: Tensor | None,
@@ -142,11 +132,20 @@ def _relevance_fn(
     if query_ids is None:
         qi = torch.arange(n_q, device=sim.device)
     else:
-        qi = _check_id_vector(query_ids, "query_ids", n_q, "query (row of sim)", sim)
+        qi = check_ids(
+            query_ids, "query_ids", n_q, sim, what="one id per query (row of sim)", ref_name="sim"
+        )
     if gallery_ids is None:
         gi = torch.arange(n_g, device=sim.device)
     else:
-        gi = _check_id_vector(gallery_ids, "gallery_ids", n_g, "gallery item (column of sim)", sim)
+        gi = check_ids(
+            gallery_ids,
+            "gallery_ids",
+            n_g,
+            sim,
+            what="one id per gallery item (column of sim)",
+            ref_name="sim",
+        )
     return _id_relevance(qi, gi)
 
 
