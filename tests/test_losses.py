@@ -468,3 +468,23 @@ def test_kcl_fused_normalisation_equals_plain_path(gen, masked):
     plain.backward()
     torch.testing.assert_close(a1.grad, a2.grad)
     torch.testing.assert_close(t1.grad, t2.grad)
+
+
+def test_symmetric_diagonal_ce_equals_autograd_path(gen):
+    """The one-buffer backward of both per-language cross-entropies against autograd's
+    logsumexp/diagonal path (the one used under gather), forward and backward."""
+    from contrastive_losses.functional import _per_language_ce, _SymmetricDiagonalCE
+
+    s1 = randn(gen, 3, 5, 5).requires_grad_()
+    s2 = s1.detach().clone().requires_grad_()
+    w_rows, w_cols = randn(gen, 3, 5), randn(gen, 3, 5)
+    rows, cols = _SymmetricDiagonalCE.apply(s1)
+    plain_rows = _per_language_ce(s2, None, None, 0)
+    plain_cols = _per_language_ce(s2.transpose(1, 2), None, None, 0)
+    torch.testing.assert_close(rows, plain_rows)
+    torch.testing.assert_close(cols, plain_cols)
+    ((rows * w_rows).sum() + (cols * w_cols).sum()).backward()
+    ((plain_rows * w_rows).sum() + (plain_cols * w_cols).sum()).backward()
+    torch.testing.assert_close(s1.grad, s2.grad)
+    leaf = randn(gen, 2, 4, 4).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: _SymmetricDiagonalCE.apply(x), (leaf,))

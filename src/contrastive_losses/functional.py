@@ -372,6 +372,32 @@ def _per_language_ce(
     return loss if row_mask is None else loss * row_mask
 
 
+class _SymmetricDiagonalCE(torch.autograd.Function):
+    """Both cross-entropies of square ``(K, B, B)`` score blocks, positives on the diagonal.
+
+    Returns ``(row_losses, column_losses)``, each ``(K, B)``: row ``j`` against its row,
+    column ``i`` against its column. One backward pass writes the gradient of both into a
+    single buffer; autograd's path (two ``logsumexp`` and two ``diagonal`` backwards)
+    materialises four ``(K, B, B)`` tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: Tensor) -> tuple[Tensor, Tensor]:
+        lse_rows = scores.logsumexp(dim=-1)  # (K, B)
+        lse_cols = scores.logsumexp(dim=-2)  # (K, B)
+        diag = scores.diagonal(dim1=1, dim2=2)  # (K, B)
+        ctx.save_for_backward(scores, lse_rows, lse_cols)
+        return lse_rows - diag, lse_cols - diag
+
+    @staticmethod
+    def backward(ctx, g_rows: Tensor, g_cols: Tensor) -> Tensor:
+        scores, lse_rows, lse_cols = ctx.saved_tensors
+        grad = (scores - lse_rows.unsqueeze(-1)).exp_().mul_(g_rows.unsqueeze(-1))
+        grad.add_((scores - lse_cols.unsqueeze(-2)).exp_().mul_(g_cols.unsqueeze(-2)))
+        grad.diagonal(dim1=1, dim2=2).sub_(g_rows + g_cols)
+        return grad
+
+
 def kcl(
     audio: Tensor,
     text: Tensor,
@@ -466,9 +492,17 @@ def kcl(
             else:
                 scores = flat @ a.T
             t2a_scores = scores.reshape(b, k_langs, b).transpose(0, 1)
-            a2t_scores = t2a_scores.transpose(1, 2)
-        a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
-        t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
+        if enabled:
+            a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
+            t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
+        else:
+            if row_mask is not None:  # absent captions leave rows and columns alike
+                valid = row_mask[:, :, None] & row_mask[:, None, :]  # (K, B, B)
+                t2a_scores = t2a_scores.masked_fill(~valid, torch.finfo(t2a_scores.dtype).min)
+            t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores)  # (K, B) each
+            if row_mask is not None:
+                t2a_k, a2t_k = t2a_k * row_mask, a2t_k * row_mask
+            a2t, t2a = a2t_k.T, t2a_k.T  # (B, K)
     else:
         a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
         own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)
