@@ -5,7 +5,7 @@ Public names only; the maths lives in :mod:`contrastive_losses.functional`.
 
 from __future__ import annotations
 
-from . import diagnostics, distributed, functional
+from . import diagnostics, distributed, functional, metrics
 from .ask import ASKLoss
 from .bank import KnowledgeBank
 from .functional import sample_languages
@@ -27,5 +27,6 @@ __all__ = [
     "diagnostics",
     "distributed",
     "functional",
+    "metrics",
     "sample_languages",
 ]

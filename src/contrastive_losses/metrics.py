@@ -1,0 +1,964 @@
+r"""Retrieval and cross-lingual consistency metrics for audio-text retrieval.
+
+Pure functions on a similarity matrix or on embeddings, CPU or CUDA, chunked over queries
+so that a 50k x 10k evaluation never materialises more than one block of scores at a time.
+
+Conventions (the ones of the ML-CLAP / ATRI / SupCLAP / ASK tables, see DESIGN.md §3):
+
+* Rows of ``sim`` are queries, columns the gallery. Text-to-audio (T2A) has one relevant
+  audio per caption; audio-to-text (A2T) counts every caption of the clip as relevant
+  (5 per clip in the AudioCaps and Clotho test sets).
+* ``R@k`` is the share of queries with at least one relevant item in the top ``k`` (a
+  hit rate; with one relevant item it is also the recall).
+* ``mAP@k`` is the mean over queries of :math:`\sum_{r \le k} P@r \cdot rel(r) / n_q` with
+  :math:`n_q` the number of relevant items of the query (ML-CLAP / DCASE convention);
+  ``denominator="min_n_relevant_k"`` divides by :math:`\min(n_q, k)` instead.
+* Negative similarities are ordinary scores (no score is dropped for being <= 0).
+* Ties are broken pessimistically: an irrelevant item with the same score as a relevant
+  one ranks ahead of it. A rank is therefore
+  :math:`\mathrm{rank}_r = r + \#\{\text{irrelevant } g : s_g \ge s_{(r)}\}` for the
+  r-th best relevant item.
+* Scalar summaries (R@k, mAP@k, MRV) are returned as Python ``float``; per-item results
+  (ranks, per-language gap and distance) as tensors on the input's device.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, overload
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from contrastive_losses._checks import (
+    _shape,
+    check_choice,
+    check_embeddings,
+    check_finite,
+    check_float,
+    check_same_device_dtype,
+    check_same_size,
+    check_tensor,
+)
+
+__all__ = [
+    "RetrievalReport",
+    "audio_text_retrieval",
+    "embedding_distance",
+    "embedding_gap",
+    "map_at_k",
+    "mean_rank_variance",
+    "recall_at_k",
+    "retrieval_ranks",
+    "retrieval_report",
+]
+
+DENOMINATORS = ("n_relevant", "min_n_relevant_k")
+
+# Scores per chunk when ``chunk_size`` is None: 1M elements, 4 MB per float32 temporary.
+_CHUNK_ELEMENTS = 1 << 20
+# Up to this many relevant items to rank per query, one comparison pass per item; beyond,
+# one sort of each row and a binary search per item.
+_LOOP_MAX_RELEVANT = 16
+
+ScoreFn = Callable[[int, int], Tensor]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_int(value: object, name: str, low: int, high: int | None, high_what: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if v < low:
+        raise ValueError(f"{name}: must be >= {low}, got {v}")
+    if high is not None and v > high:
+        raise ValueError(f"{name}: {v} exceeds {high_what} ({high})")
+    return v
+
+
+def _check_ks(k: object, name: str, n_gallery: int) -> tuple[int, ...]:
+    if isinstance(k, (str, bytes)) or not isinstance(k, Sequence):
+        raise TypeError(f"{name}: expected an int or a sequence of ints, got {type(k).__name__}")
+    if len(k) == 0:
+        raise ValueError(f"{name}: expected at least one cut-off, got an empty sequence")
+    what = "the gallery size (columns of sim)"
+    return tuple(_check_int(v, name, 1, n_gallery, what) for v in k)
+
+
+def _check_sim(sim: object) -> Tensor:
+    sim = check_tensor(sim, "sim")
+    if sim.dim() != 2:
+        raise ValueError(f"sim: expected shape (Q, G) (queries x gallery), got {_shape(sim)}")
+    check_float(sim, "sim")
+    if sim.shape[0] == 0 or sim.shape[1] == 0:
+        raise ValueError(f"sim: needs at least one query and one gallery item, got {_shape(sim)}")
+    return sim
+
+
+def _check_id_vector(ids: object, name: str, n: int, what: str, ref: Tensor) -> Tensor:
+    ids = check_tensor(ids, name)
+    if ids.dim() != 1 or ids.shape[0] != n:
+        raise ValueError(f"{name}: expected shape ({n},), one id per {what}, got {_shape(ids)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor, got dtype {ids.dtype}")
+    if ids.device != ref.device:
+        raise ValueError(f"{name}: on device {ids.device} but sim is on {ref.device}")
+    return ids
+
+
+def _relevance_fn(
+    sim: Tensor,
+    relevance: Tensor | None,
+    query_ids: Tensor | None,
+    gallery_ids: Tensor | None,
+) -> ScoreFn:
+    """Return ``f(a, b) -> (b - a, G)`` bool relevance of query rows ``a:b``."""
+    n_q, n_g = sim.shape
+    if relevance is not None:
+        if query_ids is not None or gallery_ids is not None:
+            raise ValueError(
+                "relevance: pass either a relevance matrix or query_ids/gallery_ids, not both"
+            )
+        rel = check_tensor(relevance, "relevance")
+        if tuple(rel.shape) != (n_q, n_g):
+            raise ValueError(
+                f"relevance: expected shape ({n_q}, {n_g}) like sim, got {_shape(rel)}"
+            )
+        if rel.dtype != torch.bool:
+            raise TypeError(
+                f"relevance: expected a bool tensor, got dtype {rel.dtype} (use relevance.bool())"
+            )
+        if rel.device != sim.device:
+            raise ValueError(f"relevance: on device {rel.device} but sim is on {sim.device}")
+        return lambda a, b: rel[a:b]
+    if query_ids is None:
+        qi = torch.arange(n_q, device=sim.device)
+    else:
+        qi = _check_id_vector(query_ids, "query_ids", n_q, "query (row of sim)", sim)
+    if gallery_ids is None:
+        gi = torch.arange(n_g, device=sim.device)
+    else:
+        gi = _check_id_vector(gallery_ids, "gallery_ids", n_g, "gallery item (column of sim)", sim)
+    return lambda a, b: qi[a:b, None] == gi[None, :]
+
+
+def _chunk_rows(chunk_size: int | None, n_gallery: int) -> int:
+    if chunk_size is None:
+        return max(1, _CHUNK_ELEMENTS // max(n_gallery, 1))
+    return _check_int(chunk_size, "chunk_size", 1, None)
+
+
+# --------------------------------------------------------------------------- core scan
+
+
+def _scan(
+    scores: ScoreFn,
+    relevant: ScoreFn,
+    n_queries: int,
+    n_gallery: int,
+    *,
+    map_k: int | None,
+    denominator: str,
+    chunk_size: int,
+    score_name: str,
+    relevance_name: str,
+) -> tuple[Tensor, Tensor | None]:
+    """One pass over query chunks.
+
+    Returns the pessimistic 1-based rank of the best relevant item of every query,
+    ``(Q,)`` int64, and AP@map_k of every query, ``(Q,)`` float64 (None when ``map_k`` is
+    None). Per-query values, summed once at the end, make the result independent of the
+    chunking down to the last bit.
+    """
+    first_ranks: list[Tensor] = []
+    aps: list[Tensor] = []
+    neg_inf = float("-inf")
+    for a in range(0, n_queries, chunk_size):
+        b = min(a + chunk_size, n_queries)
+        s = scores(a, b)  # (q, G)
+        # max/min propagate NaN: two cheap reductions instead of a full isfinite pass.
+        finite = torch.isfinite(s.amax(dim=1)) & torch.isfinite(s.amin(dim=1))  # (q,)
+        if not bool(finite.all()):
+            rows = (torch.nonzero(~finite).flatten() + a).tolist()[:10]
+            raise ValueError(
+                f"{score_name}: NaN/Inf similarity in query row(s) {rows}; "
+                "scores must be finite to be ranked"
+            )
+        rel = relevant(a, b)  # (q, G) bool
+        # int32 counts (G < 2**31): the int64 reduction of a bool tensor is ~5x slower.
+        n_rel = rel.sum(dim=1, dtype=torch.int32).long()  # (q,)
+        if not bool((n_rel > 0).all()):
+            rows = (torch.nonzero(n_rel == 0).flatten() + a).tolist()[:10]
+            raise ValueError(
+                f"{relevance_name}: query row(s) {rows} have no relevant gallery item; "
+                "every query needs at least one"
+            )
+        # Only the first min(n_rel, map_k) relevant items can land in the top map_k.
+        n_rank = 1 if map_k is None else min(int(n_rel.max()), map_k)
+        # Relevant scores, best first; -inf pads queries with fewer relevant items.
+        rel_only = torch.where(rel, s, neg_inf)  # (q, G)
+        if n_rank == 1:
+            rel_scores = rel_only.amax(dim=1, keepdim=True)  # (q, 1)
+        else:
+            rel_scores = rel_only.topk(n_rank, dim=1).values  # (q, R)
+        del rel_only
+        # Relevant items set to -inf never count as ranked ahead (all scores are finite).
+        irr = torch.where(rel, neg_inf, s)  # (q, G)
+        del rel, s
+        if n_rank <= _LOOP_MAX_RELEVANT:
+            # (q, R): irrelevant items scored >= the r-th relevant one (ties pessimistic)
+            ahead = torch.stack(
+                [
+                    (irr >= rel_scores[:, r : r + 1]).sum(dim=1, dtype=torch.int32)
+                    for r in range(n_rank)
+                ],
+                dim=1,
+            ).long()
+        else:
+            srt = irr.sort(dim=1).values  # (q, G) ascending
+            ahead = n_gallery - torch.searchsorted(srt, rel_scores.contiguous(), side="left")
+        position = torch.arange(1, n_rank + 1, device=ahead.device)  # (R,)
+        ranks = ahead + position  # (q, R) 1-based rank of the r-th best relevant item
+        first_ranks.append(ranks[:, 0])
+        if map_k is not None:
+            counted = (position <= n_rel[:, None]) & (ranks <= map_k)  # (q, R)
+            # Exactly r relevant items sit in the top rank_r, so P@rank_r = r / rank_r.
+            precision = position.double() / ranks.double()  # (q, R)
+            ap_sum = torch.where(counted, precision, 0.0).sum(dim=1)  # (q,)
+            if denominator == "n_relevant":
+                denom = n_rel
+            else:
+                denom = n_rel.clamp(max=map_k)
+            aps.append(ap_sum / denom.double())
+    return torch.cat(first_ranks), (torch.cat(aps) if map_k is not None else None)
+
+
+def _prepare_sim(
+    sim: object,
+    relevance: Tensor | None,
+    query_ids: Tensor | None,
+    gallery_ids: Tensor | None,
+) -> tuple[Tensor, ScoreFn, str]:
+    s = _check_sim(sim)
+    rel_fn = _relevance_fn(s, relevance, query_ids, gallery_ids)
+    rel_name = "relevance" if relevance is not None else "query_ids/gallery_ids"
+    return s, rel_fn, rel_name
+
+
+def _sim_scan(
+    s: Tensor,
+    rel_fn: ScoreFn,
+    rel_name: str,
+    chunk_size: int | None,
+    map_k: int | None,
+    denominator: str,
+) -> tuple[Tensor, Tensor | None]:
+    n_q, n_g = s.shape
+    return _scan(
+        lambda a, b: s[a:b],
+        rel_fn,
+        n_q,
+        n_g,
+        map_k=map_k,
+        denominator=denominator,
+        chunk_size=_chunk_rows(chunk_size, n_g),
+        score_name="sim",
+        relevance_name=rel_name,
+    )
+
+
+# --------------------------------------------------------------------------- public: sim
+
+
+def retrieval_ranks(
+    sim: Tensor,
+    relevance: Tensor | None = None,
+    *,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    r"""Pessimistic 1-based rank of the best relevant gallery item of every query.
+
+    .. math::
+
+        \mathrm{rank}_q = 1 + \#\{g \text{ irrelevant to } q :
+        s_{qg} \ge \max_{g' \text{ relevant}} s_{qg'}\}
+
+    Ties count against the query: an irrelevant item scored equal to the best relevant
+    one ranks ahead of it. This is the rank behind ``R@k`` (``R@k = mean(rank <= k)``)
+    and behind :func:`mean_rank_variance` in :func:`retrieval_report`.
+
+    Args:
+        sim: similarity scores, queries in rows, gallery in columns. Any real values.
+        relevance: optional bool matrix, ``relevance[q, g]`` True when gallery item ``g``
+            is relevant to query ``q``. Mutually exclusive with the ids.
+        query_ids: optional integer id per query; gallery item ``g`` is relevant to query
+            ``q`` when ``gallery_ids[g] == query_ids[q]``. Defaults to ``arange(Q)``.
+        gallery_ids: optional integer id per gallery item. Defaults to ``arange(G)``.
+            With neither ids nor ``relevance``, the relevant item of row ``i`` is
+            column ``i`` (the paired, diagonal case).
+        chunk_size: query rows scored per block (``None``: about 1M scores per block).
+            Results do not depend on it.
+
+    Returns:
+        ``(Q,)`` int64 tensor on ``sim``'s device, values in ``[1, G]``.
+
+    Raises:
+        ValueError: wrong shapes, NaN/Inf scores, a query with no relevant item, tensors on
+            different devices. TypeError: non-float ``sim``, non-bool ``relevance``,
+            non-integer ids.
+
+    Shape:
+        - sim: :math:`(Q, G)`, Q queries, G gallery items.
+        - relevance: :math:`(Q, G)` bool; query_ids: :math:`(Q,)`; gallery_ids: :math:`(G,)`.
+        - output: :math:`(Q,)`.
+
+    Example:
+        >>> sim = torch.tensor([[0.9, 0.1, 0.3], [0.2, 0.8, 0.8], [0.5, 0.4, 0.1]])
+        >>> retrieval_ranks(sim)  # row 1 ties with an irrelevant item; row 2 is last
+        tensor([1, 2, 3])
+    """
+    s, rel_fn, rel_name = _prepare_sim(sim, relevance, query_ids, gallery_ids)
+    first, _ = _sim_scan(s, rel_fn, rel_name, chunk_size, None, "")
+    return first
+
+
+@overload
+def recall_at_k(
+    sim: Tensor,
+    relevance: Tensor | None = ...,
+    *,
+    query_ids: Tensor | None = ...,
+    gallery_ids: Tensor | None = ...,
+    k: int,
+    chunk_size: int | None = ...,
+) -> float: ...
+
+
+@overload
+def recall_at_k(
+    sim: Tensor,
+    relevance: Tensor | None = ...,
+    *,
+    query_ids: Tensor | None = ...,
+    gallery_ids: Tensor | None = ...,
+    k: Sequence[int] = ...,
+    chunk_size: int | None = ...,
+) -> dict[int, float]: ...
+
+
+def recall_at_k(
+    sim: Tensor,
+    relevance: Tensor | None = None,
+    *,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    k: int | Sequence[int] = (1, 5, 10),
+    chunk_size: int | None = None,
+) -> float | dict[int, float]:
+    r"""Recall at k: share of queries with a relevant item among their top ``k``.
+
+    .. math::
+
+        R@k = \frac{1}{Q} \sum_{q=1}^{Q} \mathbb{1}[\mathrm{rank}_q \le k]
+
+    with :math:`\mathrm{rank}_q` the pessimistic rank of the best relevant item
+    (:func:`retrieval_ranks`): ties count against the query, negative scores are ordinary
+    scores. With several relevant items per query (A2T) this is a hit rate, as in the
+    audio-text retrieval literature, not the fraction of relevant items retrieved.
+
+    Directions, with ``text`` flattened to ``(N*C, D)`` and ``cap_audio[j]`` the audio index
+    of caption ``j``:
+
+    - T2A: ``recall_at_k(text @ audio.T, query_ids=cap_audio)``
+    - A2T: ``recall_at_k(audio @ text.T, gallery_ids=cap_audio)``
+
+    (:func:`audio_text_retrieval` does both from embeddings.)
+
+    Args:
+        sim: similarity scores, queries in rows, gallery in columns.
+        relevance: optional bool relevance matrix; see :func:`retrieval_ranks`.
+        query_ids: optional integer id per query; see :func:`retrieval_ranks`.
+        gallery_ids: optional integer id per gallery item; see :func:`retrieval_ranks`.
+        k: a cut-off or a sequence of cut-offs, each in ``[1, G]``.
+        chunk_size: query rows per block; results do not depend on it.
+
+    Returns:
+        ``float`` in ``[0, 1]`` for an int ``k``; ``{k: float}`` for a sequence.
+
+    Raises:
+        ValueError: ``k <= 0`` or ``k > G``, plus everything :func:`retrieval_ranks` raises.
+        TypeError: non-int ``k``, and as :func:`retrieval_ranks`.
+
+    Shape:
+        - sim: :math:`(Q, G)`; relevance: :math:`(Q, G)`; query_ids: :math:`(Q,)`;
+          gallery_ids: :math:`(G,)`.
+
+    Example:
+        >>> sim = torch.tensor([[0.9, 0.1, 0.3], [0.2, 0.8, 0.8], [0.5, 0.4, 0.1]])
+        >>> recall_at_k(sim, k=(1, 2, 3))  # relevant item of row i is column i
+        {1: 0.3333333333333333, 2: 0.6666666666666666, 3: 1.0}
+    """
+    s, rel_fn, rel_name = _prepare_sim(sim, relevance, query_ids, gallery_ids)
+    single = isinstance(k, numbers.Integral) and not isinstance(k, bool)
+    ks = _check_ks([k] if single else k, "k", s.shape[1])
+    first, _ = _sim_scan(s, rel_fn, rel_name, chunk_size, None, "")
+    out = {kk: int((first <= kk).sum()) / s.shape[0] for kk in ks}
+    return out[ks[0]] if single else out
+
+
+def map_at_k(
+    sim: Tensor,
+    relevance: Tensor | None = None,
+    *,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    k: int = 10,
+    denominator: str = "n_relevant",
+    chunk_size: int | None = None,
+) -> float:
+    r"""Mean average precision at k.
+
+    .. math::
+
+        \mathrm{mAP}@k = \frac{1}{Q} \sum_{q=1}^{Q} \frac{1}{n_q}
+        \sum_{r=1}^{k} P_q@r \cdot rel_q(r),
+        \qquad P_q@r = \frac{1}{r} \sum_{j \le r} rel_q(j)
+
+    with :math:`rel_q(r) = 1` when the item at rank ``r`` of query ``q`` is relevant.
+    ``denominator="n_relevant"`` (default) uses :math:`n_q` = the number of relevant items
+    of the query, the ML-CLAP / DCASE convention: relevant items outside the top ``k``
+    lower the score. ``denominator="min_n_relevant_k"`` uses :math:`\min(n_q, k)` (the
+    convention of some recommender-system libraries). With one relevant item (T2A) both
+    equal ``1 / rank`` if ``rank <= k`` else 0. Ranking is pessimistic under ties; negative
+    scores are ordinary scores.
+
+    Note that torchmetrics' ``RetrievalMAP(top_k=k)`` divides by the number of relevant
+    items found in the top ``k`` and drops scores <= 0; it agrees with this function only
+    for one relevant item per query, or ``k = G``, on positive tie-free scores.
+
+    Args:
+        sim: similarity scores, queries in rows, gallery in columns.
+        relevance: optional bool relevance matrix; see :func:`retrieval_ranks`.
+        query_ids: optional integer id per query; see :func:`retrieval_ranks`.
+        gallery_ids: optional integer id per gallery item; see :func:`retrieval_ranks`.
+        k: cut-off in ``[1, G]``.
+        denominator: ``"n_relevant"`` or ``"min_n_relevant_k"``.
+        chunk_size: query rows per block; results do not depend on it.
+
+    Returns:
+        ``float`` in ``[0, 1]``.
+
+    Raises:
+        ValueError, TypeError: as :func:`recall_at_k`, and for an unknown ``denominator``.
+
+    Shape:
+        - sim: :math:`(Q, G)`; relevance: :math:`(Q, G)`; query_ids: :math:`(Q,)`;
+          gallery_ids: :math:`(G,)`.
+
+    Example:
+        >>> sim = torch.tensor([[0.9, 0.3, 0.1, 0.6],    # relevant at ranks 1 and 3
+        ...                     [0.1, 0.2, 0.7, 0.3]])   # relevant at ranks 2 and 3
+        >>> relevance = torch.tensor([[True, True, False, False],
+        ...                           [False, True, False, True]])
+        >>> map_at_k(sim, relevance, k=2)  # ((1/1) / 2 + (1/2) / 2) / 2
+        0.375
+        >>> map_at_k(sim, relevance, k=3)  # ((1 + 2/3) / 2 + (1/2 + 2/3) / 2) / 2
+        0.7083333333333333
+    """
+    s, rel_fn, rel_name = _prepare_sim(sim, relevance, query_ids, gallery_ids)
+    map_k = _check_int(k, "k", 1, s.shape[1], "the gallery size (columns of sim)")
+    check_choice(denominator, "denominator", DENOMINATORS)
+    _, ap = _sim_scan(s, rel_fn, rel_name, chunk_size, map_k, denominator)
+    assert ap is not None  # map_k given
+    return float(ap.sum()) / s.shape[0]
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+def _check_audio_text(audio: object, text: object) -> tuple[Tensor, Tensor]:
+    """audio (N, D), text (N, C, D) or (N, D); returns text as (N, C, D)."""
+    audio = check_embeddings(audio, "audio", ndim=2, dims="(N, D)", min_batch=1, check_values=False)
+    text = check_tensor(text, "text")
+    if text.dim() == 2:
+        text = text[:, None, :]
+    text = check_embeddings(
+        text, "text", ndim=3, dims="(N, C, D) or (N, D)", min_batch=1, check_values=False
+    )
+    check_same_size(audio, "audio", text, "text", 0, "number of audio clips N")
+    check_same_size(audio, "audio", text, "text", -1, "embedding dimension D")
+    check_same_device_dtype([(audio, "audio"), (text, "text")])
+    if text.shape[1] == 0:
+        raise ValueError(f"text: needs at least one caption per clip, got {_shape(text)}")
+    return audio, text
+
+
+def _prepare(x: Tensor, name: str, normalize: bool) -> Tensor:
+    check_finite(x, name)
+    if normalize:
+        norms = x.detach().abs().amax(dim=-1)
+        if not bool((norms > 0).all()):
+            idx = tuple(torch.nonzero(norms == 0)[0].tolist())
+            raise ValueError(f"{name}: embedding at index {idx} is all zeros; cannot normalise it")
+        return F.normalize(x, dim=-1)
+    return x
+
+
+def _direction(
+    queries: Tensor,
+    gallery: Tensor,
+    query_ids: Tensor,
+    gallery_ids: Tensor,
+    ks: tuple[int, ...],
+    map_k: int,
+    denominator: str,
+    chunk_size: int | None,
+    score_name: str,
+) -> tuple[dict[str, float], Tensor]:
+    n_q, n_g = queries.shape[0], gallery.shape[0]
+    rows = _chunk_rows(chunk_size, n_g)
+    gallery_t = gallery.T  # (D, G)
+    first, ap = _scan(
+        lambda a, b: queries[a:b] @ gallery_t,
+        lambda a, b: query_ids[a:b, None] == gallery_ids[None, :],
+        n_q,
+        n_g,
+        map_k=map_k,
+        denominator=denominator,
+        chunk_size=rows,
+        score_name=score_name,
+        relevance_name="ids",
+    )
+    out = {f"R@{kk}": int((first <= kk).sum()) / n_q for kk in ks}
+    assert ap is not None  # map_k given
+    out[f"mAP@{map_k}"] = float(ap.sum()) / n_q
+    return out, first
+
+
+def _check_cutoffs(
+    k: Sequence[int], map_k: int, n_audio: int, denominator: str
+) -> tuple[tuple[int, ...], int]:
+    what = "the number of audio clips N (the T2A gallery)"
+    if isinstance(k, (str, bytes)) or not isinstance(k, Sequence):
+        raise TypeError(f"k: expected a sequence of ints, got {type(k).__name__}")
+    if len(k) == 0:
+        raise ValueError("k: expected at least one cut-off, got an empty sequence")
+    ks = tuple(_check_int(v, "k", 1, n_audio, what) for v in k)
+    mk = _check_int(map_k, "map_k", 1, n_audio, what)
+    check_choice(denominator, "denominator", DENOMINATORS)
+    return ks, mk
+
+
+def audio_text_retrieval(
+    audio: Tensor,
+    text: Tensor,
+    *,
+    k: Sequence[int] = (1, 5, 10),
+    map_k: int = 10,
+    denominator: str = "n_relevant",
+    normalize: bool = True,
+    chunk_size: int | None = None,
+) -> dict[str, dict[str, float]]:
+    r"""R@k and mAP@k in both directions from embeddings, in one chunked pass each.
+
+    Similarity is the inner product, of L2-normalised embeddings when ``normalize=True``
+    (cosine; default). Caption ``c`` of clip ``i`` is relevant to audio ``i`` only.
+
+    - ``"t2a"``: each of the ``N*C`` captions queries the ``N`` clips (one relevant).
+    - ``"a2t"``: each of the ``N`` clips queries the ``N*C`` captions (``C`` relevant).
+
+    See :func:`recall_at_k` and :func:`map_at_k` for the definitions (pessimistic ties,
+    mAP divided by the number of relevant items by default). Scores are computed block by
+    block (``chunk_size`` query rows at a time), never as a full ``(N*C, N)`` matrix.
+
+    Args:
+        audio: audio embeddings, one per clip.
+        text: caption embeddings, ``C`` per clip (a 2-D ``(N, D)`` tensor means ``C = 1``).
+        k: recall cut-offs, each in ``[1, N]``.
+        map_k: mAP cut-off in ``[1, N]``.
+        denominator: ``"n_relevant"`` or ``"min_n_relevant_k"``, see :func:`map_at_k`.
+        normalize: L2-normalise both embeddings first.
+        chunk_size: query rows per block; results do not depend on it.
+
+    Returns:
+        ``{"t2a": {"R@1": ..., "R@5": ..., "R@10": ..., "mAP@10": ...}, "a2t": {...}}``.
+
+    Shape:
+        - audio: :math:`(N, D)`.
+        - text: :math:`(N, C, D)` or :math:`(N, D)`.
+
+    Example:
+        Caption 0 of clip ``i`` matches it exactly; caption 1 is the embedding of clip
+        ``3 - i``. In T2A, caption 1 scores 0 against its own clip, tied with two other
+        clips: rank 4. In A2T, clip ``i`` scores 1 with its caption 0 and with an
+        irrelevant caption: the tie puts its best relevant caption at rank 2.
+
+        >>> audio = torch.eye(4)
+        >>> text = torch.stack([torch.eye(4), torch.eye(4).flip(0)], dim=1)  # (4, 2, 4)
+        >>> audio_text_retrieval(audio, text, k=(1, 2), map_k=4)  # doctest: +NORMALIZE_WHITESPACE
+        {'t2a': {'R@1': 0.5, 'R@2': 0.5, 'mAP@4': 0.625},
+         'a2t': {'R@1': 0.0, 'R@2': 1.0, 'mAP@4': 0.25}}
+    """
+    audio, text = _check_audio_text(audio, text)
+    n, c = text.shape[0], text.shape[1]
+    audio = _prepare(audio, "audio", normalize)
+    flat = _prepare(text, "text", normalize).reshape(n * c, -1)  # (N*C, D)
+    ks, mk = _check_cutoffs(k, map_k, n, denominator)
+    audio_ids = torch.arange(n, device=audio.device)  # (N,)
+    caption_ids = audio_ids.repeat_interleave(c)  # (N*C,)
+    setting = (ks, mk, denominator, chunk_size)
+    t2a, _ = _direction(flat, audio, caption_ids, audio_ids, *setting, "text")
+    a2t, _ = _direction(audio, flat, audio_ids, caption_ids, *setting, "audio")
+    return {"t2a": t2a, "a2t": a2t}
+
+
+# --------------------------------------------------------------------------- consistency
+
+
+def mean_rank_variance(ranks: Tensor) -> float:
+    r"""Mean rank variance across languages (ATRI Eq. 16).
+
+    .. math::
+
+        \mathrm{MRV} = \frac{1}{NK} \sum_{i=1}^{N} \sum_{k=1}^{K}
+        \left(\mathrm{rank}_{ik} - \frac{1}{K} \sum_{k'=1}^{K} \mathrm{rank}_{ik'}\right)^2
+
+    The population variance (divide by ``K``, not ``K - 1``) of each sample's ranks
+    across its ``K`` language versions, averaged over samples; a variance, not a standard
+    deviation. 0 when every language ranks every sample the same. Computed in float64.
+
+    Args:
+        ranks: ``ranks[i, k]`` is the rank obtained by the language-``k`` version of query
+            ``i`` (e.g. :func:`retrieval_ranks` of each language, stacked on dim 1).
+
+    Returns:
+        ``float`` >= 0.
+
+    Shape:
+        - ranks: :math:`(N, K)`, integer or floating.
+
+    Example:
+        >>> mean_rank_variance(torch.tensor([[1, 3], [2, 2]]))  # (1 + 1 + 0 + 0) / 4
+        0.5
+    """
+    ranks = check_tensor(ranks, "ranks")
+    if ranks.dim() != 2:
+        raise ValueError(f"ranks: expected shape (N, K) (samples x languages), got {_shape(ranks)}")
+    if ranks.dtype == torch.bool or ranks.dtype.is_complex:
+        raise TypeError(f"ranks: expected an integer or floating tensor, got dtype {ranks.dtype}")
+    if ranks.numel() == 0:
+        raise ValueError(f"ranks: needs at least one sample and one language, got {_shape(ranks)}")
+    r = ranks.double()
+    check_finite(r, "ranks")
+    return float((r - r.mean(dim=1, keepdim=True)).square().mean())
+
+
+def _check_multilingual(text: object, anchor: object, normalize: bool) -> tuple[Tensor, int]:
+    text = check_embeddings(text, "text", ndim=3, dims="(N, K, D)", min_batch=1, check_values=False)
+    n_lang = text.shape[1]
+    if n_lang == 0:
+        raise ValueError(f"text: needs at least one language, got {_shape(text)}")
+    a = _check_int(anchor, "anchor", 0, n_lang - 1, "the last language index K - 1")
+    return _prepare(text, "text", normalize), a
+
+
+def embedding_gap(text: Tensor, anchor: int = 0, *, normalize: bool = True) -> Tensor:
+    r"""Embedding gap of every language to the anchor language (ATRI Eq. 14).
+
+    .. math::
+
+        \mathrm{gap}_k = \left\lVert \frac{1}{N} \sum_{i=1}^{N} t_{i,a}
+        - \frac{1}{N} \sum_{i=1}^{N} t_{i,k} \right\rVert_2
+
+    The distance between the centroids of two languages, ``a`` the anchor (English).
+    With ``normalize=True`` (default) each embedding is L2-normalised first, as in
+    retrieval; the result is then in ``[0, 2]``.
+
+    Args:
+        text: ``text[i, k]`` is the language-``k`` version of sentence ``i``.
+        anchor: index of the anchor language (0: English by convention).
+        normalize: L2-normalise each embedding first.
+
+    Returns:
+        ``(K,)`` tensor in ``text``'s dtype and device; entry ``anchor`` is 0.
+
+    Shape:
+        - text: :math:`(N, K, D)`.
+        - output: :math:`(K,)`.
+
+    Example:
+        >>> text = torch.tensor([[[1.0, 0.0], [0.0, 1.0]],
+        ...                      [[1.0, 0.0], [0.0, 1.0]]])  # 2 sentences, 2 languages
+        >>> embedding_gap(text)  # ||(1, 0) - (0, 1)|| = sqrt(2)
+        tensor([0.0000, 1.4142])
+    """
+    t, a = _check_multilingual(text, anchor, normalize)
+    centroids = t.mean(dim=0)  # (K, D)
+    return torch.linalg.vector_norm(centroids[a : a + 1] - centroids, dim=-1)
+
+
+def embedding_distance(text: Tensor, anchor: int = 0, *, normalize: bool = True) -> Tensor:
+    r"""Mean embedding distance of every language to the anchor language (ATRI Eq. 15).
+
+    .. math::
+
+        \mathrm{dis}_k = \frac{1}{N} \sum_{i=1}^{N} \lVert t_{i,a} - t_{i,k} \rVert_2
+
+    The average distance between a sentence and its translation. Always
+    ``>= embedding_gap`` (the norm of a mean is at most the mean of the norms). With
+    ``normalize=True`` (default) each embedding is L2-normalised first.
+
+    Args:
+        text: ``text[i, k]`` is the language-``k`` version of sentence ``i``.
+        anchor: index of the anchor language (0: English by convention).
+        normalize: L2-normalise each embedding first.
+
+    Returns:
+        ``(K,)`` tensor in ``text``'s dtype and device; entry ``anchor`` is 0.
+
+    Shape:
+        - text: :math:`(N, K, D)`.
+        - output: :math:`(K,)`.
+
+    Example:
+        >>> text = torch.tensor([[[1.0, 0.0], [0.0, 1.0]],
+        ...                      [[1.0, 0.0], [1.0, 0.0]]])
+        >>> embedding_distance(text)  # (sqrt(2) + 0) / 2
+        tensor([0.0000, 0.7071])
+    """
+    t, a = _check_multilingual(text, anchor, normalize)
+    return torch.linalg.vector_norm(t[:, a : a + 1] - t, dim=-1).mean(dim=0)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, scale: float, digits: int) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+class RetrievalReport(dict[str, Any]):
+    """The result of :func:`retrieval_report`: a plain ``dict`` plus table renderers.
+
+    Keys (all values are plain Python, so ``json.dumps(report)`` works):
+
+    - ``"languages"``: list of names; ``"anchor"``: the anchor's name.
+    - ``"n_audio"``, ``"n_captions"``, ``"k"``, ``"map_k"``, ``"denominator"``,
+      ``"normalize"``: the setting.
+    - ``"per_language"``: ``{lang: {"t2a": {"R@1": ..., "mAP@10": ...}, "a2t": {...},
+      "gap": float, "distance": float}}``; retrieval values are fractions in ``[0, 1]``.
+    - ``"average"``: ``{"t2a": ..., "a2t": ...}`` averaged over all languages, plus
+      ``"gap"`` and ``"distance"`` averaged over the non-anchor languages (None if K = 1).
+    - ``"mrv"``: mean rank variance of the T2A ranks across languages (None if K = 1).
+    """
+
+    def table(self) -> tuple[list[str], list[list[float | str | None]]]:
+        """The table as ``(header, rows)``: one row per language, then ``"average"``."""
+        keys = [f"R@{k}" for k in self["k"]] + [f"mAP@{self['map_k']}"]
+        header = ["language"]
+        header += [f"T2A {key}" for key in keys] + [f"A2T {key}" for key in keys]
+        header += ["gap", "distance", "MRV"]
+        out: list[list[float | str | None]] = []
+        entries = [(lang, self["per_language"][lang], None) for lang in self["languages"]]
+        entries.append(("average", self["average"], self["mrv"]))
+        for name, entry, mrv in entries:
+            row: list[float | str | None] = [name]
+            row += [entry["t2a"][key] for key in keys] + [entry["a2t"][key] for key in keys]
+            row += [entry["gap"], entry["distance"], mrv]
+            out.append(row)
+        return header, out
+
+    def to_markdown(self, *, percent: bool = True, digits: int = 2) -> str:
+        """A GitHub markdown table.
+
+        Args:
+            percent: show R@k and mAP as percentages (as the papers' tables do; the
+                header carries no unit) with ``digits`` decimals; otherwise as fractions
+                with ``digits + 2`` decimals. Gap and distance get 4 decimals, MRV 2.
+            digits: decimals of the percentages.
+        """
+        header, rows = self.table()
+        n_retrieval = 2 * (len(self["k"]) + 1)
+        scale = 100.0 if percent else 1.0
+        lines = ["| " + " | ".join(header) + " |"]
+        lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+        for row in rows:
+            cells = [str(row[0])]
+            for i, v in enumerate(row[1:], start=1):
+                value = v if isinstance(v, float) or v is None else float(v)
+                if i <= n_retrieval:
+                    cells.append(_fmt(value, scale, digits if percent else digits + 2))
+                elif header[i] == "MRV":
+                    cells.append(_fmt(value, 1.0, 2))
+                else:
+                    cells.append(_fmt(value, 1.0, 4))
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def to_csv(self) -> str:
+        """CSV text: the :meth:`table`, full precision, R@k / mAP as fractions in [0, 1],
+        an empty cell for None."""
+        header, rows = self.table()
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(header)
+        for row in rows:
+            writer.writerow(["" if v is None else v for v in row])
+        return buf.getvalue()
+
+
+def retrieval_report(
+    audio: Tensor,
+    text: Tensor,
+    languages: Sequence[str] | None = None,
+    *,
+    anchor: int | str = 0,
+    k: Sequence[int] = (1, 5, 10),
+    map_k: int = 10,
+    denominator: str = "n_relevant",
+    normalize: bool = True,
+    chunk_size: int | None = None,
+) -> RetrievalReport:
+    r"""Per-language retrieval and cross-lingual consistency report (ATRI Tab. 1-3 numbers).
+
+    For every language ``k``: T2A and A2T ``R@k`` and ``mAP@map_k`` of the captions of
+    language ``k`` against the audio (:func:`audio_text_retrieval`), the embedding gap and
+    distance to the anchor language (:func:`embedding_gap`, :func:`embedding_distance`,
+    computed over the ``N*C`` captions, caption ``c`` of clip ``i`` in language ``k`` being
+    the translation of the same caption in the anchor language). Then the average over
+    languages, and the mean rank variance
+
+    .. math::
+
+        \mathrm{MRV} = \frac{1}{NCK} \sum_{i,c,k}
+        (\mathrm{rank}_{ick} - \overline{\mathrm{rank}}_{ic})^2
+
+    where :math:`\mathrm{rank}_{ick}` is the T2A rank (pessimistic, 1-based, among the
+    ``N`` clips) of audio ``i`` for caption ``c`` in language ``k`` and the bar is the mean
+    over languages (:func:`mean_rank_variance`).
+
+    Args:
+        audio: audio embeddings.
+        text: caption embeddings, ``(N, K, C, D)``: ``K`` languages, ``C`` captions per
+            clip; ``(N, C, D)`` means a single language. One caption per clip and language
+            is ``(N, K, 1, D)``.
+        languages: ``K`` distinct names, in the order of dim 1 of ``text``
+            (default ``"lang0"``, ``"lang1"``, ...).
+        anchor: index or name of the reference language for gap and distance (English).
+        k: recall cut-offs, each in ``[1, N]``.
+        map_k: mAP cut-off in ``[1, N]``.
+        denominator: mAP denominator, see :func:`map_at_k`.
+        normalize: L2-normalise embeddings before retrieval and gap/distance.
+        chunk_size: query rows per block; results do not depend on it.
+
+    Returns:
+        :class:`RetrievalReport`, a ``dict`` with ``to_markdown()`` and ``to_csv()``.
+
+    Shape:
+        - audio: :math:`(N, D)`.
+        - text: :math:`(N, K, C, D)` or :math:`(N, C, D)`.
+
+    Example:
+        >>> audio = torch.eye(10)
+        >>> text = torch.stack([torch.eye(10), torch.eye(10)], dim=1)[:, :, None]
+        >>> report = retrieval_report(audio, text, ["en", "fr"], k=(1,))
+        >>> report["average"]["t2a"]
+        {'R@1': 1.0, 'mAP@10': 1.0}
+        >>> print(report.to_markdown())
+        | language | T2A R@1 | T2A mAP@10 | A2T R@1 | A2T mAP@10 | gap | distance | MRV |
+        |---|---:|---:|---:|---:|---:|---:|---:|
+        | en | 100.00 | 100.00 | 100.00 | 100.00 | 0.0000 | 0.0000 | - |
+        | fr | 100.00 | 100.00 | 100.00 | 100.00 | 0.0000 | 0.0000 | - |
+        | average | 100.00 | 100.00 | 100.00 | 100.00 | 0.0000 | 0.0000 | 0.00 |
+    """
+    audio_t = check_embeddings(
+        audio, "audio", ndim=2, dims="(N, D)", min_batch=1, check_values=False
+    )
+    text_t = check_tensor(text, "text")
+    if text_t.dim() == 3:
+        text_t = text_t[:, None]
+    text_t = check_embeddings(
+        text_t, "text", ndim=4, dims="(N, K, C, D) or (N, C, D)", min_batch=1, check_values=False
+    )
+    check_same_size(audio_t, "audio", text_t, "text", 0, "number of audio clips N")
+    check_same_size(audio_t, "audio", text_t, "text", -1, "embedding dimension D")
+    check_same_device_dtype([(audio_t, "audio"), (text_t, "text")])
+    n, n_lang, c = text_t.shape[0], text_t.shape[1], text_t.shape[2]
+    if n_lang == 0 or c == 0:
+        raise ValueError(f"text: needs at least one language and one caption, got {_shape(text_t)}")
+
+    if languages is None:
+        names = [f"lang{i}" for i in range(n_lang)]
+    else:
+        if isinstance(languages, str) or not isinstance(languages, Sequence):
+            raise TypeError(
+                f"languages: expected a sequence of str, got {type(languages).__name__}"
+            )
+        names = list(languages)
+        if not all(isinstance(x, str) for x in names):
+            raise TypeError(f"languages: expected a sequence of str, got {names!r}")
+        if len(names) != n_lang:
+            raise ValueError(
+                f"languages: {len(names)} name(s) {names} for K = {n_lang} languages in text "
+                f"of shape {_shape(text_t)}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"languages: names must be distinct, got {names}")
+    if isinstance(anchor, str):
+        if anchor not in names:
+            raise ValueError(f"anchor: {anchor!r} is not one of languages {names}")
+        anchor_idx = names.index(anchor)
+    else:
+        anchor_idx = _check_int(anchor, "anchor", 0, n_lang - 1, "the last language index K - 1")
+    ks, mk = _check_cutoffs(k, map_k, n, denominator)
+
+    audio_n = _prepare(audio_t, "audio", normalize)  # (N, D)
+    text_n = _prepare(text_t, "text", normalize)  # (N, K, C, D)
+    audio_ids = torch.arange(n, device=audio_n.device)  # (N,)
+    caption_ids = audio_ids.repeat_interleave(c)  # (N*C,)
+
+    setting = (ks, mk, denominator, chunk_size)
+    per_language: dict[str, dict[str, Any]] = {}
+    t2a_ranks = []
+    by_sentence = text_n.transpose(1, 2).reshape(n * c, n_lang, -1)  # (N*C, K, D)
+    gaps = embedding_gap(by_sentence, anchor_idx, normalize=False).tolist()
+    dists = embedding_distance(by_sentence, anchor_idx, normalize=False).tolist()
+    for i, lang in enumerate(names):
+        flat = by_sentence[:, i]  # (N*C, D)
+        t2a, ranks = _direction(flat, audio_n, caption_ids, audio_ids, *setting, "text")
+        a2t, _ = _direction(audio_n, flat, audio_ids, caption_ids, *setting, "audio")
+        t2a_ranks.append(ranks)
+        per_language[lang] = {"t2a": t2a, "a2t": a2t, "gap": gaps[i], "distance": dists[i]}
+
+    average: dict[str, Any] = {}
+    for direction in ("t2a", "a2t"):
+        keys = per_language[names[0]][direction].keys()
+        average[direction] = {
+            key: sum(per_language[lang][direction][key] for lang in names) / n_lang for key in keys
+        }
+    others = [lang for i, lang in enumerate(names) if i != anchor_idx]
+    for key in ("gap", "distance"):
+        values = [per_language[lang][key] for lang in others]
+        average[key] = sum(values) / len(values) if values else None
+    mrv = mean_rank_variance(torch.stack(t2a_ranks, dim=1)) if n_lang > 1 else None
+    return RetrievalReport(
+        languages=names,
+        anchor=names[anchor_idx],
+        n_audio=n,
+        n_captions=c,
+        k=list(ks),
+        map_k=mk,
+        denominator=denominator,
+        normalize=normalize,
+        per_language=per_language,
+        average=average,
+        mrv=mrv,
+    )
