@@ -44,13 +44,17 @@ QUICK_RESULTS = BENCHMARKS / "results" / "quick" / "studies"
 
 def parse_args(doc: str, *, epochs: int, seeds: int, quick_epochs: int = 3) -> argparse.Namespace:
     """``--epochs``, ``--seeds``, ``--quick`` (2 seeds, ``quick_epochs`` epochs, results
-    into ``results/quick/studies/``: a check that the script runs), ``--out-dir``."""
+    into ``results/quick/studies/``: a check that the script runs), ``--out-dir``,
+    ``--render`` (no training: rewrite the markdown and plots from the saved JSON)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--seeds", type=int, default=seeds, help="seeds 0 .. n-1")
     parser.add_argument("--quick", action="store_true", help="2 seeds, a few epochs")
     parser.add_argument("--out-dir", type=Path, help="default: benchmarks/results/studies")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--render", action="store_true", help="no training: re-render md and PNGs from the JSON"
+    )
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.seeds = min(args.epochs, quick_epochs), min(args.seeds, 2)
@@ -131,12 +135,16 @@ def paired_clusters(
     noise: float = 0.3,
     zipf: float = 0.0,
     balanced_test: bool = False,
+    mismatch: float = 0.0,
     dims: tuple[int, int] = (64, 48),
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Audio-text pairs: one latent per pair, an audio view and a text view of it.
 
+    ``mismatch``: share of *training* pairs whose caption is swapped with another such
+    pair's (wrong captions, as in web-crawled audio-caption data); the test set is clean.
+
     Returns ``(train, test)`` dicts with ``audio (N, 64)``, ``text (N, 48)``, ``label
-    (N,)`` (the cluster).
+    (N,)`` (the cluster of the audio).
     """
     g = generator(1000 + seed)
     lat = Latents.make(g, clusters, latent, zipf)
@@ -146,6 +154,10 @@ def paired_clusters(
     for n, balanced in ((n_train, False), (n_test, balanced_test)):
         z, label = lat.sample(g, n, spread, balanced=balanced)
         out.append({"audio": view_a(z, g, noise), "text": view_t(z, g, noise), "label": label})
+    if mismatch > 0:
+        swap = torch.randperm(n_train, generator=g)[: int(mismatch * n_train)]
+        text = out[0]["text"]
+        text[swap] = text[swap[torch.randperm(len(swap), generator=g)]]
     return out[0], out[1]
 
 
@@ -338,10 +350,32 @@ def save_figure(fig: Any, path: Path) -> Path:
     return path
 
 
+def load(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The saved ``<name>.json`` of a previous run (for ``--render``); sets ``args.epochs``
+    and ``args.seeds`` to the saved run's."""
+    payload = json.loads((args.out_dir / f"{name}.json").read_text(encoding="utf-8"))
+    args.epochs, args.seeds = payload["setup"]["epochs"], payload["setup"]["seeds"]
+    return payload
+
+
+def _rounded(x: Any) -> Any:
+    """Floats to 6 significant digits (the tables show at most 4), recursively."""
+    if isinstance(x, float):
+        return x if math.isnan(x) or math.isinf(x) else float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x
+
+
 def write(out_dir: Path, name: str, markdown: str, payload: dict[str, Any]) -> None:
-    """``<name>.md`` and ``<name>.json`` (with the machine and the markdown) in ``out_dir``."""
+    """``<name>.md`` and ``<name>.json`` (with the machine and the markdown) in ``out_dir``.
+
+    The JSON holds every seed's raw results under ``"runs"`` (what ``--render`` reads)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.md").write_text(markdown.rstrip() + "\n")
-    full = {"machine": machine(), **payload, "markdown": markdown}
-    (out_dir / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")
+    full = {"machine": payload.get("machine", machine()), **payload, "markdown": markdown}
+    text = json.dumps(_rounded(full), separators=(",", ":"))
+    (out_dir / f"{name}.json").write_text(text + "\n")
     print(f"wrote {out_dir / name}.md, .json", flush=True)
