@@ -377,7 +377,7 @@ def main() -> None:
         json_path = out_dir / f"{name}.json"
         lines += [f"Status: {status[name]}.", ""]
         if name.startswith("studies/"):
-            lines += [f"Tables, interpretation and plots: [{name}.md]({name}.md).", ""]
+            lines += [f"Tables, interpretation and plots: `{name}.md` (next to this file).", ""]
             continue
         if not json_path.exists():
             lines += [f"No `{json_path.relative_to(HERE)}`.", ""]
