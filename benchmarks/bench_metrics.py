@@ -1,7 +1,8 @@
 """Speed and peak memory of contrastive_losses.metrics (a script, not a test).
 
-    PYTHONPATH=src python benchmarks/bench_metrics.py            # 5k captions x 1k clips
-    PYTHONPATH=src python benchmarks/bench_metrics.py --large    # + 50k x 10k memory run
+    PYTHONPATH=src python benchmarks/bench_metrics.py              # 5k captions x 1k clips
+    PYTHONPATH=src python benchmarks/bench_metrics.py --threads 1  # steadier on a busy box
+    PYTHONPATH=src python benchmarks/bench_metrics.py --large      # + 50k x 10k memory run
 
 Speed: 5k text queries x 1k audio clips (5 captions per clip), D = 1024. Each metric is
 timed on the precomputed (5k, 1k) similarity and reported as a ratio to one
@@ -185,7 +186,10 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="also run the 50k x 10k memory case")
     parser.add_argument("--memory-case", help=argparse.SUPPRESS)
     parser.add_argument("--no-speed", action="store_true", help="memory only")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.memory_case:
         memory_case(args.memory_case)
         return

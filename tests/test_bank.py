@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import sys
 import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import free_port
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -362,10 +362,6 @@ def test_bad_build_and_search_input():
 
 
 # ---------------------------------------------------------------------- distributed
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -388,7 +384,7 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_distributed_build_gives_every_rank_the_same_bank():
     mp = pytest.importorskip("torch.multiprocessing")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_dist_worker, args=(2, _free_port(), tmp), nprocs=2, join=True)
+        mp.spawn(_dist_worker, args=(2, free_port(), tmp), nprocs=2, join=True)
         states = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
     audio, text, ids = _data(13, 8, seed=21)
     ref = KnowledgeBank(8, backend="torch", num_prototypes=3).build(audio, text, ids)

@@ -4,33 +4,16 @@ loss on the concatenated batch, and its gradient, for every loss (float64, 1e-6 
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import RANK_SIZES, rank_data, rank_rows, spawn_ranks
 
 from contrastive_losses import functional as CF
 from contrastive_losses.distributed import resolve_gather
-
-SIZES = (5, 3)
-K, D = 3, 4
-
-
-def _data() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    n = sum(SIZES)
-    mask = torch.rand(n, K, generator=g) < 0.6
-    mask[:, 0] = True
-    return {
-        "audio": torch.randn(n, D, generator=g, dtype=torch.float64),
-        "text": torch.randn(n, K, D, generator=g, dtype=torch.float64),
-        "mask": mask,
-        "ids": torch.tensor([0, 1, 2, 3, 0, 4, 2, 5]),
-    }
 
 
 def _losses(gather: bool):
@@ -52,9 +35,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        data = _data()
-        lo = sum(SIZES[:rank])
-        rows = slice(lo, lo + SIZES[rank])
+        data = rank_data()
+        rows = rank_rows(rank)
         results = {"auto_gather": resolve_gather(None)}
         for name, fn in _losses(gather=True).items():
             a = data["audio"][rows].clone().requires_grad_()
@@ -69,27 +51,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_ranks(_worker, out)
 
 
 @pytest.mark.parametrize("name", list(_losses(gather=False)))
 def test_gathered_loss_and_grads_match_single_process(rank_results, name):
-    data = _data()
+    data = rank_data()
     a = data["audio"].clone().requires_grad_()
     t = data["text"].clone().requires_grad_()
     loss = _losses(gather=False)[name](a, t, data["mask"], data["ids"])
     loss.backward()
-    world = len(SIZES)
+    world = len(RANK_SIZES)
     # DDP averages over ranks: the mean of the rank losses is the global loss ...
     mean_loss = sum(r[name][0] for r in rank_results) / world
     torch.testing.assert_close(mean_loss, loss.detach(), rtol=1e-6, atol=0)

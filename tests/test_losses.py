@@ -8,6 +8,7 @@ import math
 import pytest
 import reference as ref
 import torch
+from helpers import F64, randn, random_mask
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,19 +20,6 @@ from contrastive_losses import (
     sample_languages,
 )
 from contrastive_losses import functional as CF
-
-F64 = torch.float64
-
-
-def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
-
-def random_mask(gen: torch.Generator, b: int, k: int, p: float = 0.7) -> torch.Tensor:
-    mask = torch.rand(b, k, generator=gen) < p
-    mask[:, 0] = True  # every clip keeps its English caption
-    return mask
-
 
 # ------------------------------------------------------------------ references
 
@@ -459,3 +447,44 @@ def test_half_precision_norm_overflow_is_handled():
     a[1, 0] = -300.0
     t = torch.randn(3, 8, dtype=torch.float16)
     assert torch.isfinite(CF.info_nce(a, t)).all()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_kcl_fused_normalisation_equals_plain_path(gen, masked):
+    """The fast path (scores scaled by 1/||t||) against normalise-then-matmul, fwd + bwd."""
+    a1, t1 = randn(gen, 6, 5).requires_grad_(), randn(gen, 6, 3, 5).requires_grad_()
+    a2, t2 = a1.detach().clone().requires_grad_(), t1.detach().clone().requires_grad_()
+    mask = random_mask(gen, 6, 3) if masked else None
+    fast = CF.kcl(a1, t1, 0.1, mask=mask)
+    plain = CF.kcl(
+        torch.nn.functional.normalize(a2, dim=-1),
+        torch.nn.functional.normalize(t2, dim=-1),
+        0.1,
+        mask=mask,
+        normalize=False,
+    )
+    torch.testing.assert_close(fast, plain)
+    fast.backward()
+    plain.backward()
+    torch.testing.assert_close(a1.grad, a2.grad)
+    torch.testing.assert_close(t1.grad, t2.grad)
+
+
+def test_symmetric_diagonal_ce_equals_autograd_path(gen):
+    """The one-buffer backward of both per-language cross-entropies against autograd's
+    logsumexp/diagonal path (the one used under gather), forward and backward."""
+    from contrastive_losses.functional import _per_language_ce, _SymmetricDiagonalCE
+
+    s1 = randn(gen, 3, 5, 5).requires_grad_()
+    s2 = s1.detach().clone().requires_grad_()
+    w_rows, w_cols = randn(gen, 3, 5), randn(gen, 3, 5)
+    rows, cols = _SymmetricDiagonalCE.apply(s1)
+    plain_rows = _per_language_ce(s2, None, None, 0)
+    plain_cols = _per_language_ce(s2.transpose(1, 2), None, None, 0)
+    torch.testing.assert_close(rows, plain_rows)
+    torch.testing.assert_close(cols, plain_cols)
+    ((rows * w_rows).sum() + (cols * w_cols).sum()).backward()
+    ((plain_rows * w_rows).sum() + (plain_cols * w_cols).sum()).backward()
+    torch.testing.assert_close(s1.grad, s2.grad)
+    leaf = randn(gen, 2, 4, 4).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: _SymmetricDiagonalCE.apply(x), (leaf,))

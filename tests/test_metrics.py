@@ -861,3 +861,30 @@ def test_cuda_matches_cpu(gen):
         for direction in ("t2a", "a2t"):
             got = on_gpu["per_language"][lang][direction]
             assert got == pytest.approx(on_cpu["per_language"][lang][direction], abs=1e-12)
+
+
+def test_inputs_that_require_grad(gen):
+    # Metrics detach: no graph is built and the out= buffers do not trip autograd.
+    sim = random_scores(10, 10, False, gen).requires_grad_()
+    assert retrieval_ranks(sim).tolist() == retrieval_ranks(sim.detach()).tolist()
+    assert map_at_k(sim, k=3) == map_at_k(sim.detach(), k=3)
+    audio, text = _embeddings(10, 2, 2, 4, gen)
+    report = retrieval_report(audio.requires_grad_(), text.requires_grad_())
+    assert report == retrieval_report(audio.detach(), text.detach())
+    assert audio_text_retrieval(audio, text[:, 0]) == audio_text_retrieval(
+        audio.detach(), text[:, 0].detach()
+    )
+
+
+def test_no_full_matrix_allocation(gen):
+    # From embeddings, no single allocation may approach the (N*C, N) score matrix: every
+    # (block, G) temporary is a reused buffer of chunk_size rows.
+    n, c, d, chunk = 100, 2, 4, 4
+    audio, text = _embeddings(n, 1, c, d, gen)
+    text = text[:, 0]
+    full = n * c * n * 8  # float64 scores of either direction: 160 KB
+    block = chunk * n * c * 8  # the widest block: A2T, 4 rows x 200 captions: 6.4 KB
+    with torch.profiler.profile(profile_memory=True) as prof:
+        audio_text_retrieval(audio, text, chunk_size=chunk)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert block <= largest <= 2 * block < full

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,8 @@ import reference as ref
 import reference_svr as ref_svr
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import F64, RANK_SIZES, randn, random_mask, rank_data, rank_rows, spawn_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -31,18 +30,6 @@ from contrastive_losses import (
     sample_languages,
 )
 from contrastive_losses import functional as CF
-
-F64 = torch.float64
-
-
-def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
-
-def random_mask(gen: torch.Generator, b: int, k: int, p: float = 0.6) -> torch.Tensor:
-    mask = torch.rand(b, k, generator=gen) < p
-    mask[:, 0] = True
-    return mask
 
 
 def randomise(module: nn.Module, seed: int = 0, std: float = 0.3) -> nn.Module:
@@ -625,21 +612,6 @@ def test_nan_embeddings_are_rejected(gen, which):
 
 # ------------------------------------------------------------------ two ranks, gloo
 
-SIZES = (5, 3)
-K, D = 3, 4
-
-
-def _dist_data() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    n = sum(SIZES)
-    mask = torch.rand(n, K, generator=g) < 0.6
-    mask[:, 0] = True
-    return {
-        "audio": torch.randn(n, D, generator=g, dtype=F64),
-        "text": torch.randn(n, K, D, generator=g, dtype=F64),
-        "mask": mask,
-    }
-
 
 def _dist_cases():
     """name -> (regulariser factory, call(loss_fn, audio, text, mask))."""
@@ -675,9 +647,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        data = _dist_data()
-        lo = sum(SIZES[:rank])
-        rows = slice(lo, lo + SIZES[rank])
+        data = rank_data()
+        rows = rank_rows(rank)
         results = {}
         for name, (factory, call) in _dist_cases().items():
             loss_fn = factory()
@@ -692,29 +663,22 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("svr_dist")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_ranks(_worker, out)
 
 
 @pytest.mark.parametrize("name", list(_dist_cases()))
 def test_gathered_regulariser_matches_single_process(rank_results, name):
     factory, call = _dist_cases()[name]
     loss_fn = factory()
-    data = _dist_data()
+    data = rank_data()
     a = data["audio"].clone().requires_grad_()
     t = data["text"].clone().requires_grad_()
     loss = call(loss_fn, a, t, data["mask"])
     loss.backward()
-    world = len(SIZES)
+    world = len(RANK_SIZES)
     mean_loss = sum(r[name][0] for r in rank_results) / world
     torch.testing.assert_close(mean_loss, loss.detach(), rtol=1e-6, atol=0)
     grad_a = torch.cat([r[name][1] for r in rank_results]) / world

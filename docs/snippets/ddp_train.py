@@ -53,6 +53,11 @@ def main() -> None:
     dist.all_gather(every_rank, temperature)
     if dist.get_rank() == 0:
         print("temperature on each rank:", [round(float(t), 5) for t in every_rank])
+    # Free DDP's reducer while its process group is alive, then tear the group down
+    # together: otherwise gloo can abort at exit ("terminate called without an active
+    # exception").
+    del model, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -148,6 +148,15 @@ def check_non_negative(value: float, name: str) -> None:
         raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
 
 
+def check_int(value: object, name: str, minimum: int) -> int:
+    """An ``int`` (not a bool) that is at least ``minimum``; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
 def check_choice(value: object, name: str, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
@@ -157,15 +166,23 @@ def check_reduction(reduction: str) -> None:
     check_choice(reduction, "reduction", REDUCTIONS)
 
 
-def check_ids(ids: object, name: str, batch: int, ref: Tensor) -> Tensor:
-    """Integer ``(B,)`` ids on ``ref``'s device."""
+def check_ids(
+    ids: object,
+    name: str,
+    batch: int,
+    ref: Tensor,
+    *,
+    what: str = "matching the batch",
+    ref_name: str = "the embeddings",
+) -> Tensor:
+    """Integer ``(batch,)`` ids on ``ref``'s device; ``what`` and ``ref_name`` word the errors."""
     ids = check_tensor(ids, name)
     if ids.dim() != 1 or ids.shape[0] != batch:
-        raise ValueError(f"{name}: expected shape ({batch},) matching the batch, got {_shape(ids)}")
+        raise ValueError(f"{name}: expected shape ({batch},) {what}, got {_shape(ids)}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor, got dtype {ids.dtype}")
     if ids.device != ref.device:
-        raise ValueError(f"{name}: on device {ids.device} but the embeddings are on {ref.device}")
+        raise ValueError(f"{name}: on device {ids.device} but {ref_name} is on {ref.device}")
     return ids
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import _shape, check_choice, check_embeddings, check_tensor
+from ._checks import _shape, check_choice, check_embeddings, check_int, check_tensor
 
 __all__ = ["KnowledgeBank"]
 
@@ -42,14 +42,6 @@ def _faiss_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _check_int(value: object, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
-    return value
 
 
 def _check_int_ids(ids: object, name: str, n: int) -> Tensor:
@@ -193,22 +185,22 @@ class KnowledgeBank:
         seed: int = 0,
         chunk_size: int = 65536,
     ) -> None:
-        self.dim = _check_int(dim, "dim", 1)
+        self.dim = check_int(dim, "dim", 1)
         check_choice(backend, "backend", BACKENDS)
-        self.num_prototypes = _check_int(num_prototypes, "num_prototypes", 0)
+        self.num_prototypes = check_int(num_prototypes, "num_prototypes", 0)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
         check_choice(index, "index", INDEX_TYPES)
         if index == "ivf" and backend == "torch":
             raise ValueError("index: 'ivf' needs the faiss backend, got backend='torch'")
         if nlist is not None:
-            _check_int(nlist, "nlist", 1)
+            check_int(nlist, "nlist", 1)
         self.nlist = nlist
-        self.nprobe = _check_int(nprobe, "nprobe", 1)
-        self.kmeans_iters = _check_int(kmeans_iters, "kmeans_iters", 1)
-        self.refresh_every = _check_int(refresh_every, "refresh_every", 0)
-        self.seed = _check_int(seed, "seed", 0)
-        self.chunk_size = _check_int(chunk_size, "chunk_size", 1)
+        self.nprobe = check_int(nprobe, "nprobe", 1)
+        self.kmeans_iters = check_int(kmeans_iters, "kmeans_iters", 1)
+        self.refresh_every = check_int(refresh_every, "refresh_every", 0)
+        self.seed = check_int(seed, "seed", 0)
+        self.chunk_size = check_int(chunk_size, "chunk_size", 1)
         if backend == "faiss":
             _import_faiss()  # fail now, with the install hint, not at the first search
         self.backend = backend
@@ -447,7 +439,7 @@ class KnowledgeBank:
     def should_refresh(self, epoch: int) -> bool:
         """True when the bank is empty, or ``epoch`` (0-based) is a positive multiple of
         ``refresh_every`` (ASK: 15)."""
-        _check_int(epoch, "epoch", 0)
+        check_int(epoch, "epoch", 0)
         if self.is_empty:
             return True
         return self.refresh_every > 0 and epoch > 0 and epoch % self.refresh_every == 0
@@ -466,7 +458,7 @@ class KnowledgeBank:
                 f"queries: embedding dim {queries.shape[1]} does not match the bank's dim "
                 f"{self.dim} (shape {_shape(queries)})"
             )
-        _check_int(k, "k", 1)
+        check_int(k, "k", 1)
         excl = None
         limit = len(self)
         if exclude_ids is not None:
@@ -611,7 +603,7 @@ class KnowledgeBank:
                 f"queries: embedding dim {queries.shape[1]} does not match the bank's "
                 f"dim {self.dim}"
             )
-        _check_int(k, "k", 1)
+        check_int(k, "k", 1)
         if k > self.num_built_prototypes:
             raise ValueError(
                 f"k: {k} exceeds the {self.num_built_prototypes} prototypes of the bank"

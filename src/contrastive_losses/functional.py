@@ -322,12 +322,38 @@ def siglip(
 
 def _text_and_mask(
     audio: Tensor, text: object, mask: object | None, normalize: bool
-) -> tuple[Tensor, Tensor | None]:
-    t = _embeddings(text, "text", "(B, K, D)", normalize)
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Validated raw ``text`` ``(B, K, D)``, its row norms ``(B, K)`` and the mask."""
+    t = _checks.check_embeddings(text, "text", ndim=3, dims="(B, K, D)", check_values=False)
+    norms = _checks.check_row_norms(t, "text", nonzero=normalize)
     _check_pair(audio, "audio", t, "text")
     if mask is not None:
         mask = _checks.check_mask(mask, "mask", tuple(t.shape[:2]), t)
-    return t, mask
+    return t, norms, mask
+
+
+class _NormalizedRowsMatmul(torch.autograd.Function):
+    """``l2_normalize(x) @ y.T`` as ``(x @ y.T) / ||x||`` row-wise.
+
+    For KCL's ``(B*K, D) @ (D, B)`` the ``(B*K, B)`` scores are smaller than the
+    ``(B*K, D)`` captions whenever ``B < D``: scaling the scores instead of normalising
+    the captions saves several passes over the largest tensor, forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, inv_norm: Tensor, y: Tensor) -> Tensor:
+        scores = (x @ y.T).mul_(inv_norm.unsqueeze(-1))  # (M, N)
+        ctx.save_for_backward(x, inv_norm, y, scores)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, Tensor]:
+        x, inv_norm, y, scores = ctx.saved_tensors
+        grad_scaled = grad * inv_norm.unsqueeze(-1)  # (M, N)
+        # d/dx_i of <x_i, y_j>/||x_i||: y_j/||x_i|| - s_ij x_i/||x_i||^2
+        radial = (grad * scores).sum(dim=-1) * inv_norm.square()  # (M,)
+        grad_x = torch.addcmul(grad_scaled @ y, x, radial.unsqueeze(-1), value=-1)
+        return grad_x, None, grad_scaled.T @ x
 
 
 def _per_language_ce(
@@ -344,6 +370,32 @@ def _per_language_ce(
     positive = scores.diagonal(offset=offset, dim1=1, dim2=2)  # (K, b)
     loss = scores.logsumexp(dim=-1) - positive  # (K, b)
     return loss if row_mask is None else loss * row_mask
+
+
+class _SymmetricDiagonalCE(torch.autograd.Function):
+    """Both cross-entropies of square ``(K, B, B)`` score blocks, positives on the diagonal.
+
+    Returns ``(row_losses, column_losses)``, each ``(K, B)``: row ``j`` against its row,
+    column ``i`` against its column. One backward pass writes the gradient of both into a
+    single buffer; autograd's path (two ``logsumexp`` and two ``diagonal`` backwards)
+    materialises four ``(K, B, B)`` tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: Tensor) -> tuple[Tensor, Tensor]:
+        lse_rows = scores.logsumexp(dim=-1)  # (K, B)
+        lse_cols = scores.logsumexp(dim=-2)  # (K, B)
+        diag = scores.diagonal(dim1=1, dim2=2)  # (K, B)
+        ctx.save_for_backward(scores, lse_rows, lse_cols)
+        return lse_rows - diag, lse_cols - diag
+
+    @staticmethod
+    def backward(ctx, g_rows: Tensor, g_cols: Tensor) -> Tensor:
+        scores, lse_rows, lse_cols = ctx.saved_tensors
+        grad = (scores - lse_rows.unsqueeze(-1)).exp_().mul_(g_rows.unsqueeze(-1))
+        grad.add_((scores - lse_cols.unsqueeze(-2)).exp_().mul_(g_cols.unsqueeze(-2)))
+        grad.diagonal(dim1=1, dim2=2).sub_(g_rows + g_cols)
+        return grad
 
 
 def kcl(
@@ -410,8 +462,11 @@ def kcl(
     _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
     _temperature(temperature)
     a = _embeddings(audio, "audio", "(B, D)", normalize)
-    t, m = _text_and_mask(a, text, mask, normalize)
+    t_raw, text_norms, m = _text_and_mask(a, text, mask, normalize)
     enabled = resolve_gather(gather)
+    # Single process, per-language negatives: normalise through the scores (fast path).
+    fused = normalize and not enabled and negatives == "per_language"
+    t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
     b, k_langs, dim = t.shape
     a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
     a_all, offset = _gather(a, enabled)
@@ -430,10 +485,24 @@ def kcl(
             a2t_scores = a2t_scores.permute(2, 0, 1)
         else:
             # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
-            t2a_scores = (t.reshape(-1, dim) @ a.T).reshape(b, k_langs, b).transpose(0, 1)
-            a2t_scores = t2a_scores.transpose(1, 2)
-        a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
-        t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
+            flat = t.reshape(-1, dim)
+            if fused:
+                inv_norm = 1.0 / text_norms.reshape(-1)
+                scores = _NormalizedRowsMatmul.apply(flat, inv_norm, a)  # (B*K, B)
+            else:
+                scores = flat @ a.T
+            t2a_scores = scores.reshape(b, k_langs, b).transpose(0, 1)
+        if enabled:
+            a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
+            t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
+        else:
+            if row_mask is not None:  # absent captions leave rows and columns alike
+                valid = row_mask[:, :, None] & row_mask[:, None, :]  # (K, B, B)
+                t2a_scores = t2a_scores.masked_fill(~valid, torch.finfo(t2a_scores.dtype).min)
+            t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores)  # (K, B) each
+            if row_mask is not None:
+                t2a_k, a2t_k = t2a_k * row_mask, a2t_k * row_mask
+            a2t, t2a = a2t_k.T, t2a_k.T  # (B, K)
     else:
         a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
         own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)

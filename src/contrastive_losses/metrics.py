@@ -1,7 +1,9 @@
 r"""Retrieval and cross-lingual consistency metrics for audio-text retrieval.
 
-Pure functions on a similarity matrix or on embeddings, CPU or CUDA, chunked over queries
-so that a 50k x 10k evaluation never materialises more than one block of scores at a time.
+Pure functions on a similarity matrix or on embeddings, CPU or CUDA, chunked over queries.
+From embeddings (:func:`audio_text_retrieval`, :func:`retrieval_report`) a 50k x 10k
+evaluation never holds more than one block of scores: about 15 MB of reused buffers with
+the default block of ~1M scores (14 bytes per score), whatever the sizes.
 
 Conventions (the ones of the ML-CLAP / ATRI / SupCLAP / ASK tables, see DESIGN.md §3):
 
@@ -34,12 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from contrastive_losses._checks import (
+from ._checks import (
     _shape,
     check_choice,
     check_embeddings,
     check_finite,
     check_float,
+    check_ids,
     check_same_device_dtype,
     check_same_size,
     check_tensor,
@@ -65,7 +68,7 @@ _CHUNK_ELEMENTS = 1 << 20
 # one sort of each row and a binary search per item.
 _LOOP_MAX_RELEVANT = 16
 
-ScoreFn = Callable[[int, int], Tensor]
+BlockFn = Callable[[int, int], Tensor]
 
 
 # --------------------------------------------------------------------------- validation
@@ -101,23 +104,12 @@ def _check_sim(sim: object) -> Tensor:
     return sim
 
 
-def _check_id_vector(ids: object, name: str, n: int, what: str, ref: Tensor) -> Tensor:
-    ids = check_tensor(ids, name)
-    if ids.dim() != 1 or ids.shape[0] != n:
-        raise ValueError(f"{name}: expected shape ({n},), one id per {what}, got {_shape(ids)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor, got dtype {ids.dtype}")
-    if ids.device != ref.device:
-        raise ValueError(f"{name}: on device {ids.device} but sim is on {ref.device}")
-    return ids
-
-
 def _relevance_fn(
     sim: Tensor,
     relevance: Tensor | None,
     query_ids: Tensor | None,
     gallery_ids: Tensor | None,
-) -> ScoreFn:
+) -> BlockFn:
     """Return ``f(a, b) -> (b - a, G)`` bool relevance of query rows ``a:b``."""
     n_q, n_g = sim.shape
     if relevance is not None:
@@ -125,7 +117,7 @@ def _relevance_fn(
             raise ValueError(
                 "relevance: pass either a relevance matrix or query_ids/gallery_ids, not both"
             )
-        rel = check_tensor(relevance, "relevance")
+        rel = check_tensor(relevance, "relevance").detach()
         if tuple(rel.shape) != (n_q, n_g):
             raise ValueError(
                 f"relevance: expected shape ({n_q}, {n_g}) like sim, got {_shape(rel)}"
@@ -140,12 +132,48 @@ def _relevance_fn(
     if query_ids is None:
         qi = torch.arange(n_q, device=sim.device)
     else:
-        qi = _check_id_vector(query_ids, "query_ids", n_q, "query (row of sim)", sim)
+        qi = check_ids(
+            query_ids, "query_ids", n_q, sim, what="one id per query (row of sim)", ref_name="sim"
+        )
     if gallery_ids is None:
         gi = torch.arange(n_g, device=sim.device)
     else:
-        gi = _check_id_vector(gallery_ids, "gallery_ids", n_g, "gallery item (column of sim)", sim)
-    return lambda a, b: qi[a:b, None] == gi[None, :]
+        gi = check_ids(
+            gallery_ids,
+            "gallery_ids",
+            n_g,
+            sim,
+            what="one id per gallery item (column of sim)",
+            ref_name="sim",
+        )
+    return _id_relevance(qi, gi)
+
+
+def _id_relevance(query_ids: Tensor, gallery_ids: Tensor) -> BlockFn:
+    """``f(a, b)``: bool ``query_ids[a:b, None] == gallery_ids``, ``(b - a, G)``, reused buffer."""
+    buffers: list[Tensor] = []
+
+    def relevant(a: int, b: int) -> Tensor:
+        if not buffers:  # sized by the first (largest) chunk
+            buffers.append(
+                torch.empty(b - a, len(gallery_ids), dtype=torch.bool, device=gallery_ids.device)
+            )
+        return torch.eq(query_ids[a:b, None], gallery_ids[None, :], out=buffers[0][: b - a])
+
+    return relevant
+
+
+def _matmul_scores(queries: Tensor, gallery: Tensor) -> BlockFn:
+    """``f(a, b)``: ``queries[a:b] @ gallery.T``, ``(b - a, G)``, in a reused buffer."""
+    buffers: list[Tensor] = []
+    gallery_t = gallery.T  # (D, G)
+
+    def scores(a: int, b: int) -> Tensor:
+        if not buffers:  # sized by the first (largest) chunk
+            buffers.append(queries.new_empty(b - a, gallery.shape[0]))
+        return torch.matmul(queries[a:b], gallery_t, out=buffers[0][: b - a])
+
+    return scores
 
 
 def _chunk_rows(chunk_size: int | None, n_gallery: int) -> int:
@@ -158,27 +186,46 @@ def _chunk_rows(chunk_size: int | None, n_gallery: int) -> int:
 
 
 def _scan(
-    scores: ScoreFn,
-    relevant: ScoreFn,
+    scores: BlockFn,
+    relevant: BlockFn,
     n_queries: int,
     n_gallery: int,
     *,
     map_k: int | None,
     denominator: str,
     chunk_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
     score_name: str,
     relevance_name: str,
 ) -> tuple[Tensor, Tensor | None]:
     """One pass over query chunks.
 
+    ``scores(a, b)`` and ``relevant(a, b)`` return the ``(b - a, G)`` scores and bool
+    relevance of query rows ``a:b``; they may return views of buffers they reuse, valid
+    until the next call.
+
     Returns the pessimistic 1-based rank of the best relevant item of every query,
     ``(Q,)`` int64, and AP@map_k of every query, ``(Q,)`` float64 (None when ``map_k`` is
     None). Per-query values, summed once at the end, make the result independent of the
     chunking down to the last bit.
+
+    Memory: the ``(chunk, G)`` temporaries live in buffers allocated once (``out=``) and
+    the per-query outputs are preallocated, so nothing allocated inside a chunk outlives
+    it. With per-chunk results kept in a list, block-sized allocations interleaved with
+    those small long-lived ones fragmented glibc's heap: the RSS of a 50k x 10k scan grew
+    by up to 2 GB, the size of the whole similarity matrix.
     """
-    first_ranks: list[Tensor] = []
-    aps: list[Tensor] = []
-    neg_inf = float("-inf")
+    first_ranks = torch.empty(n_queries, dtype=torch.int64, device=device)  # (Q,)
+    aps = torch.empty(n_queries, dtype=torch.float64, device=device) if map_k else None  # (Q,)
+    block = min(chunk_size, n_queries)
+    work = torch.empty(block, n_gallery, dtype=dtype, device=device)  # (chunk, G)
+    hits = torch.empty(block, n_gallery, dtype=torch.bool, device=device)  # (chunk, G)
+    # Counting: copy_ bool -> int32 buffer, then an int32 sum, allocates nothing;
+    # sum(dtype=...), count_nonzero or ge(out=int32) each allocate a block-sized temporary.
+    counts = torch.empty(block, n_gallery, dtype=torch.int32, device=device)  # (chunk, G)
+    sort_buffers: list[tuple[Tensor, Tensor]] = []  # (chunk, G) values, indices; on demand
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=device)
     for a in range(0, n_queries, chunk_size):
         b = min(a + chunk_size, n_queries)
         s = scores(a, b)  # (q, G)
@@ -191,8 +238,8 @@ def _scan(
                 "scores must be finite to be ranked"
             )
         rel = relevant(a, b)  # (q, G) bool
-        # int32 counts (G < 2**31): the int64 reduction of a bool tensor is ~5x slower.
-        n_rel = rel.sum(dim=1, dtype=torch.int32).long()  # (q,)
+        q = b - a
+        n_rel = counts[:q].copy_(rel).sum(dim=1, dtype=torch.int32).long()  # (q,)
         if not bool((n_rel > 0).all()):
             rows = (torch.nonzero(n_rel == 0).flatten() + a).tolist()[:10]
             raise ValueError(
@@ -202,31 +249,35 @@ def _scan(
         # Only the first min(n_rel, map_k) relevant items can land in the top map_k.
         n_rank = 1 if map_k is None else min(int(n_rel.max()), map_k)
         # Relevant scores, best first; -inf pads queries with fewer relevant items.
-        rel_only = torch.where(rel, s, neg_inf)  # (q, G)
+        rel_only = torch.where(rel, s, neg_inf, out=work[:q])  # (q, G)
         if n_rank == 1:
             rel_scores = rel_only.amax(dim=1, keepdim=True)  # (q, 1)
         else:
             rel_scores = rel_only.topk(n_rank, dim=1).values  # (q, R)
-        del rel_only
         # Relevant items set to -inf never count as ranked ahead (all scores are finite).
-        irr = torch.where(rel, neg_inf, s)  # (q, G)
-        del rel, s
+        irr = torch.where(rel, neg_inf, s, out=work[:q])  # (q, G)
         if n_rank <= _LOOP_MAX_RELEVANT:
             # (q, R): irrelevant items scored >= the r-th relevant one (ties pessimistic)
             ahead = torch.stack(
                 [
-                    (irr >= rel_scores[:, r : r + 1]).sum(dim=1, dtype=torch.int32)
+                    counts[:q]
+                    .copy_(torch.ge(irr, rel_scores[:, r : r + 1], out=hits[:q]))
+                    .sum(dim=1, dtype=torch.int32)
                     for r in range(n_rank)
                 ],
                 dim=1,
             ).long()
         else:
-            srt = irr.sort(dim=1).values  # (q, G) ascending
+            if not sort_buffers:
+                indices = torch.empty(work.shape, dtype=torch.int64, device=device)
+                sort_buffers.append((torch.empty_like(work), indices))
+            values, indices = sort_buffers[0]
+            srt, _ = torch.sort(irr, dim=1, out=(values[:q], indices[:q]))  # (q, G) ascending
             ahead = n_gallery - torch.searchsorted(srt, rel_scores.contiguous(), side="left")
         position = torch.arange(1, n_rank + 1, device=ahead.device)  # (R,)
         ranks = ahead + position  # (q, R) 1-based rank of the r-th best relevant item
-        first_ranks.append(ranks[:, 0])
-        if map_k is not None:
+        first_ranks[a:b] = ranks[:, 0]
+        if aps is not None and map_k is not None:
             counted = (position <= n_rel[:, None]) & (ranks <= map_k)  # (q, R)
             # Exactly r relevant items sit in the top rank_r, so P@rank_r = r / rank_r.
             precision = position.double() / ranks.double()  # (q, R)
@@ -235,8 +286,8 @@ def _scan(
                 denom = n_rel
             else:
                 denom = n_rel.clamp(max=map_k)
-            aps.append(ap_sum / denom.double())
-    return torch.cat(first_ranks), (torch.cat(aps) if map_k is not None else None)
+            torch.div(ap_sum, denom, out=aps[a:b])
+    return first_ranks, aps
 
 
 def _prepare_sim(
@@ -244,8 +295,8 @@ def _prepare_sim(
     relevance: Tensor | None,
     query_ids: Tensor | None,
     gallery_ids: Tensor | None,
-) -> tuple[Tensor, ScoreFn, str]:
-    s = _check_sim(sim)
+) -> tuple[Tensor, BlockFn, str]:
+    s = _check_sim(sim).detach()
     rel_fn = _relevance_fn(s, relevance, query_ids, gallery_ids)
     rel_name = "relevance" if relevance is not None else "query_ids/gallery_ids"
     return s, rel_fn, rel_name
@@ -253,7 +304,7 @@ def _prepare_sim(
 
 def _sim_scan(
     s: Tensor,
-    rel_fn: ScoreFn,
+    rel_fn: BlockFn,
     rel_name: str,
     chunk_size: int | None,
     map_k: int | None,
@@ -268,6 +319,8 @@ def _sim_scan(
         map_k=map_k,
         denominator=denominator,
         chunk_size=_chunk_rows(chunk_size, n_g),
+        dtype=s.dtype,
+        device=s.device,
         score_name="sim",
         relevance_name=rel_name,
     )
@@ -321,6 +374,8 @@ def retrieval_ranks(
         - output: :math:`(Q,)`.
 
     Example:
+        >>> import torch
+        >>> from contrastive_losses.metrics import retrieval_ranks
         >>> sim = torch.tensor([[0.9, 0.1, 0.3], [0.2, 0.8, 0.8], [0.5, 0.4, 0.1]])
         >>> retrieval_ranks(sim)  # row 1 ties with an irrelevant item; row 2 is last
         tensor([1, 2, 3])
@@ -402,6 +457,8 @@ def recall_at_k(
           gallery_ids: :math:`(G,)`.
 
     Example:
+        >>> import torch
+        >>> from contrastive_losses.metrics import recall_at_k
         >>> sim = torch.tensor([[0.9, 0.1, 0.3], [0.2, 0.8, 0.8], [0.5, 0.4, 0.1]])
         >>> recall_at_k(sim, k=(1, 2, 3))  # relevant item of row i is column i
         {1: 0.3333333333333333, 2: 0.6666666666666666, 3: 1.0}
@@ -464,6 +521,8 @@ def map_at_k(
           gallery_ids: :math:`(G,)`.
 
     Example:
+        >>> import torch
+        >>> from contrastive_losses.metrics import map_at_k
         >>> sim = torch.tensor([[0.9, 0.3, 0.1, 0.6],    # relevant at ranks 1 and 3
         ...                     [0.1, 0.2, 0.7, 0.3]])   # relevant at ranks 2 and 3
         >>> relevance = torch.tensor([[True, True, False, False],
@@ -524,16 +583,16 @@ def _direction(
     score_name: str,
 ) -> tuple[dict[str, float], Tensor]:
     n_q, n_g = queries.shape[0], gallery.shape[0]
-    rows = _chunk_rows(chunk_size, n_g)
-    gallery_t = gallery.T  # (D, G)
     first, ap = _scan(
-        lambda a, b: queries[a:b] @ gallery_t,
-        lambda a, b: query_ids[a:b, None] == gallery_ids[None, :],
+        _matmul_scores(queries, gallery),
+        _id_relevance(query_ids, gallery_ids),
         n_q,
         n_g,
         map_k=map_k,
         denominator=denominator,
-        chunk_size=rows,
+        chunk_size=_chunk_rows(chunk_size, n_g),
+        dtype=queries.dtype,
+        device=queries.device,
         score_name=score_name,
         relevance_name="ids",
     )
@@ -577,7 +636,8 @@ def audio_text_retrieval(
 
     See :func:`recall_at_k` and :func:`map_at_k` for the definitions (pessimistic ties,
     mAP divided by the number of relevant items by default). Scores are computed block by
-    block (``chunk_size`` query rows at a time), never as a full ``(N*C, N)`` matrix.
+    block (``chunk_size`` query rows at a time), never as a full ``(N*C, N)`` matrix; the
+    extra memory is the normalised embeddings plus about 14 bytes per score of one block.
 
     Args:
         audio: audio embeddings, one per clip.
@@ -601,6 +661,8 @@ def audio_text_retrieval(
         clips: rank 4. In A2T, clip ``i`` scores 1 with its caption 0 and with an
         irrelevant caption: the tie puts its best relevant caption at rank 2.
 
+        >>> import torch
+        >>> from contrastive_losses.metrics import audio_text_retrieval
         >>> audio = torch.eye(4)
         >>> text = torch.stack([torch.eye(4), torch.eye(4).flip(0)], dim=1)  # (4, 2, 4)
         >>> audio_text_retrieval(audio, text, k=(1, 2), map_k=4)  # doctest: +NORMALIZE_WHITESPACE
@@ -608,6 +670,7 @@ def audio_text_retrieval(
          'a2t': {'R@1': 0.0, 'R@2': 1.0, 'mAP@4': 0.25}}
     """
     audio, text = _check_audio_text(audio, text)
+    audio, text = audio.detach(), text.detach()  # a metric: no graph, and out= buffers
     n, c = text.shape[0], text.shape[1]
     audio = _prepare(audio, "audio", normalize)
     flat = _prepare(text, "text", normalize).reshape(n * c, -1)  # (N*C, D)
@@ -646,6 +709,8 @@ def mean_rank_variance(ranks: Tensor) -> float:
         - ranks: :math:`(N, K)`, integer or floating.
 
     Example:
+        >>> import torch
+        >>> from contrastive_losses.metrics import mean_rank_variance
         >>> mean_rank_variance(torch.tensor([[1, 3], [2, 2]]))  # (1 + 1 + 0 + 0) / 4
         0.5
     """
@@ -656,7 +721,7 @@ def mean_rank_variance(ranks: Tensor) -> float:
         raise TypeError(f"ranks: expected an integer or floating tensor, got dtype {ranks.dtype}")
     if ranks.numel() == 0:
         raise ValueError(f"ranks: needs at least one sample and one language, got {_shape(ranks)}")
-    r = ranks.double()
+    r = ranks.detach().double()
     check_finite(r, "ranks")
     return float((r - r.mean(dim=1, keepdim=True)).square().mean())
 
@@ -695,6 +760,8 @@ def embedding_gap(text: Tensor, anchor: int = 0, *, normalize: bool = True) -> T
         - output: :math:`(K,)`.
 
     Example:
+        >>> import torch
+        >>> from contrastive_losses.metrics import embedding_gap
         >>> text = torch.tensor([[[1.0, 0.0], [0.0, 1.0]],
         ...                      [[1.0, 0.0], [0.0, 1.0]]])  # 2 sentences, 2 languages
         >>> embedding_gap(text)  # ||(1, 0) - (0, 1)|| = sqrt(2)
@@ -729,6 +796,8 @@ def embedding_distance(text: Tensor, anchor: int = 0, *, normalize: bool = True)
         - output: :math:`(K,)`.
 
     Example:
+        >>> import torch
+        >>> from contrastive_losses.metrics import embedding_distance
         >>> text = torch.tensor([[[1.0, 0.0], [0.0, 1.0]],
         ...                      [[1.0, 0.0], [1.0, 0.0]]])
         >>> embedding_distance(text)  # (sqrt(2) + 0) / 2
@@ -867,6 +936,8 @@ def retrieval_report(
         - text: :math:`(N, K, C, D)` or :math:`(N, C, D)`.
 
     Example:
+        >>> import torch
+        >>> from contrastive_losses.metrics import retrieval_report
         >>> audio = torch.eye(10)
         >>> text = torch.stack([torch.eye(10), torch.eye(10)], dim=1)[:, :, None]
         >>> report = retrieval_report(audio, text, ["en", "fr"], k=(1,))
@@ -920,8 +991,8 @@ def retrieval_report(
         anchor_idx = _check_int(anchor, "anchor", 0, n_lang - 1, "the last language index K - 1")
     ks, mk = _check_cutoffs(k, map_k, n, denominator)
 
-    audio_n = _prepare(audio_t, "audio", normalize)  # (N, D)
-    text_n = _prepare(text_t, "text", normalize)  # (N, K, C, D)
+    audio_n = _prepare(audio_t.detach(), "audio", normalize)  # (N, D)
+    text_n = _prepare(text_t.detach(), "text", normalize)  # (N, K, C, D)
     audio_ids = torch.arange(n, device=audio_n.device)  # (N,)
     caption_ids = audio_ids.repeat_interleave(c)  # (N*C,)
 

@@ -26,20 +26,13 @@ from .functional import (
     _radius_features,
     _reduce,
     _support_vector_rows,
+    l2_normalize,
 )
 
 __all__ = ["RadiusPredictor", "SupportVectorRegularizer"]
 
 RADIUS_MODES = ("static", "dynamic")
 DIRECTIONS = ("bi", "uni")
-
-
-def _check_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-    return value
 
 
 class RadiusPredictor(nn.Module):
@@ -83,8 +76,8 @@ class RadiusPredictor(nn.Module):
 
     def __init__(self, num_features: int = 32, hidden: int = 64, radius_init: float = 0.1) -> None:
         super().__init__()
-        self.num_features = _check_int(num_features, "num_features", 2)
-        _check_int(hidden, "hidden", 1)
+        self.num_features = _checks.check_int(num_features, "num_features", 2)
+        _checks.check_int(hidden, "hidden", 1)
         _checks.check_non_negative(radius_init, "radius_init")
         last = nn.Linear(hidden, 1)
         nn.init.zeros_(last.weight)
@@ -318,7 +311,7 @@ class SupportVectorRegularizer(nn.Module):
                         "base: contrastive_pairs must give (B, D) tensors, got shape "
                         f"{tuple(x.shape)}"
                     )
-                local[key] = F.normalize(x, dim=-1) if normalize else x
+                local[key] = l2_normalize(x) if normalize else x
                 glob[key], offset = _gather(local[key], enabled)
             return key
 

@@ -1,0 +1,290 @@
+"""Command line and config file (JSON, or YAML when PyYAML is installed) of the trainer.
+
+Every option can be given in the config file under its long name (dashes or underscores) and on
+the command line; the command line wins. Unknown config keys are an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .sonar import PAPER_LANGUAGES, canonical_language
+
+LOSSES = ("infonce", "siglip", "mlclap", "kcl", "cacl", "ask")
+SVR_MODES = ("none", "static", "dynamic")
+REQUIRED = ("train_manifest", "sonar", "output_dir")
+
+
+def _languages(value: str | Sequence[str]) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    langs = [canonical_language(str(v)) for v in items if str(v).strip()]
+    if not langs:
+        raise argparse.ArgumentTypeError("languages: empty list")
+    if len(set(langs)) != len(langs):
+        raise argparse.ArgumentTypeError(f"languages: duplicates in {langs}")
+    return langs
+
+
+def _json_dict(value: str | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}: {err}") from err
+    if not isinstance(out, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return out
+
+
+def _bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="finetune_ced_sonar.py",
+        description="Fine-tune CED (audio) + SONAR (text) with a contrastive_losses loss.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", help="JSON (or YAML) file with any of the options below")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--train-manifest", help="CSV/JSONL: audio_path,audio_id,caption,language")
+    g.add_argument("--test-manifest", help="evaluated with retrieval_report after every epoch")
+    g.add_argument("--audio-root", help="base of relative audio paths (default: manifest's dir)")
+    g.add_argument(
+        "--languages",
+        type=_languages,
+        default=list(PAPER_LANGUAGES),
+        help="comma-separated NLLB codes, English first; K = their number",
+    )
+    g.add_argument("--max-seconds", type=float, default=10.0, help="random training crop length")
+    g.add_argument(
+        "--eval-max-seconds",
+        type=float,
+        default=None,
+        help="crop test clips (default: whole clips, chunked by the encoder)",
+    )
+    g.add_argument("--workers", type=int, default=0, help="DataLoader workers")
+
+    g = p.add_argument_group("models")
+    g.add_argument("--ced-size", default="base", choices=("tiny", "mini", "small", "base"))
+    g.add_argument(
+        "--ced-config",
+        type=_json_dict,
+        default={},
+        help="CEDConfig overrides as JSON, e.g. '{\"depth\": 2}'",
+    )
+    g.add_argument(
+        "--ced-checkpoint",
+        help="HF CED weights: model.safetensors, its directory, or a hub id (mispeech/ced-base)",
+    )
+    g.add_argument(
+        "--sonar",
+        help="directory (or hub id) with the SONAR encoder's config.json, "
+        "weights and NLLB tokenizer",
+    )
+    g.add_argument(
+        "--sonar-weights",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="false: random init from the directory's config (tests)",
+    )
+    g.add_argument(
+        "--sonar-config", type=_json_dict, default={}, help="M2M100Config overrides as JSON"
+    )
+    g.add_argument("--text-max-length", type=int, default=128)
+    g.add_argument("--embed-dim", type=int, default=1024, help="projection output size")
+    g.add_argument(
+        "--mlclap-checkpoint", help="ML-CLAP pretrain.pt: initialises both towers and heads"
+    )
+
+    g = p.add_argument_group("loss")
+    g.add_argument("--loss", default="kcl", choices=LOSSES)
+    g.add_argument("--svr", default="none", choices=SVR_MODES, help="support vector regularisation")
+    g.add_argument("--svr-direction", default="bi", choices=("uni", "bi"))
+    g.add_argument("--svr-alpha", type=float, default=1.0)
+    g.add_argument("--svr-beta", type=float, default=0.01)
+    g.add_argument("--svr-radius-init", type=float, default=None)
+    g.add_argument("--temperature", type=float, default=0.07)
+    g.add_argument("--learnable-temperature", type=_bool, nargs="?", const=True, default=False)
+    g.add_argument(
+        "--kcl-negatives", default="per_language", choices=("per_language", "all_languages")
+    )
+    g.add_argument(
+        "--pair-language",
+        default="eng_Latn",
+        help="infonce/siglip/ask: caption language per clip, an NLLB code or 'random' "
+        "(mlclap is always 'random')",
+    )
+    g.add_argument("--ask-k", type=int, default=10)
+    g.add_argument("--ask-prototypes", type=int, default=512)
+    g.add_argument(
+        "--ask-refresh-every", type=int, default=15, help="epochs between bank refreshes"
+    )
+    g.add_argument("--ask-injection-ratio", type=float, default=0.2)
+    g.add_argument("--ask-backend", default="auto", choices=("auto", "faiss", "torch"))
+    g.add_argument(
+        "--grad-cache",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="GradCache the text tower (KCL: K*B captions in the memory of B)",
+    )
+    g.add_argument(
+        "--grad-cache-chunk",
+        type=int,
+        default=None,
+        help="captions per chunk (default: batch size)",
+    )
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=10)
+    g.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many steps in total"
+    )
+    g.add_argument("--batch-size", type=int, default=24, help="per process")
+    g.add_argument("--eval-batch-size", type=int, default=32)
+    g.add_argument("--optimizer", default="adam", choices=("adam", "adamw"))
+    g.add_argument("--lr", type=float, default=5e-5)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--schedule", default="cosine", choices=("cosine", "step", "constant"))
+    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument(
+        "--min-lr-ratio", type=float, default=0.0, help="cosine floor, as a share of --lr"
+    )
+    g.add_argument("--step-epochs", type=int, default=3, help="step schedule: decay every N epochs")
+    g.add_argument("--step-gamma", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
+    g.add_argument(
+        "--amp",
+        default="auto",
+        choices=("auto", "bf16", "fp16", "none"),
+        help="auto: bf16 on CUDA, none on CPU",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", help="logs, checkpoints and plots go here")
+    g.add_argument(
+        "--resume", help="checkpoint directory, or 'auto' for the latest in --output-dir"
+    )
+    g.add_argument("--save-every-steps", type=int, default=0, help="also checkpoint every N steps")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="step checkpoints kept")
+    g.add_argument(
+        "--select-metric",
+        default="mean_r1",
+        help="best checkpoint: 'mean_r1' (mean R@1 over languages and directions) or a "
+        "flattened retrieval_report key",
+    )
+    g.add_argument(
+        "--progress", type=_bool, nargs="?", const=True, default=True, help="tqdm progress bars"
+    )
+    g.add_argument(
+        "--plots", type=_bool, nargs="?", const=True, default=True, help="PNG curves at the end"
+    )
+    return p
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config: {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as err:
+            raise ImportError(
+                f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use JSON"
+            ) from err
+        data = yaml.safe_load(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"--config {path}: invalid JSON at line {err.lineno}: {err.msg}"
+            ) from err
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option -> value")
+    return data
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        values = load_config_file(first.config)
+        dests = {a.dest: a for a in parser._actions}
+        defaults: dict[str, Any] = {}
+        for key, value in values.items():
+            dest = key.replace("-", "_")
+            if dest not in dests or dest in ("help", "config"):
+                raise ValueError(f"--config {first.config}: unknown option {key!r}")
+            action = dests[dest]
+            if (
+                action.type is not None
+                and value is not None
+                and not isinstance(value, (bool, dict))
+            ):
+                value = action.type(value)  # type: ignore[operator]
+            elif action.type is _bool and isinstance(value, bool):
+                pass
+            if action.choices is not None and value not in action.choices:
+                raise ValueError(
+                    f"--config {first.config}: {key} = {value!r}, expected one of "
+                    f"{list(action.choices)}"
+                )
+            defaults[dest] = value
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if getattr(args, name) is None]
+    if missing:
+        parser.error(f"missing required option(s) {missing} (command line or --config)")
+    validate(args)
+    return args
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Cross-option checks, with messages that say what to change."""
+    if args.loss == "ask" and args.svr != "none":
+        raise ValueError("--svr: SVR wraps infonce/siglip/mlclap/kcl/cacl, not ask")
+    if args.loss == "cacl" and args.languages[0] != "eng_Latn":
+        raise ValueError(
+            f"--languages: CACL anchors on English, list eng_Latn first (got {args.languages})"
+        )
+    if args.loss == "cacl" and len(args.languages) < 2:
+        raise ValueError("--languages: CACL needs English and at least one other language")
+    if args.pair_language != "random":
+        args.pair_language = canonical_language(args.pair_language)
+        if args.pair_language not in args.languages:
+            raise ValueError(
+                f"--pair-language: {args.pair_language} is not in --languages {args.languages}"
+            )
+    if args.batch_size < 2:
+        raise ValueError(
+            f"--batch-size: a contrastive batch needs >= 2 clips, got {args.batch_size}"
+        )
+    for name in ("epochs", "eval_batch_size", "text_max_length", "embed_dim"):
+        if getattr(args, name) < 1:
+            raise ValueError(
+                f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}"
+            )
+    if args.grad_cache_chunk is not None and args.grad_cache_chunk < 1:
+        raise ValueError(f"--grad-cache-chunk: expected >= 1, got {args.grad_cache_chunk}")

@@ -1,0 +1,413 @@
+"""Manifests of (audio file, audio id, caption, language) rows, audio loading and batching.
+
+Manifest format -- CSV with a header, or JSON Lines, one caption per row::
+
+    audio_path,audio_id,caption,language
+    clips/Y7fmOlUlwoNg.wav,Y7fmOlUlwoNg,A dog barks while rain falls,eng_Latn
+    clips/Y7fmOlUlwoNg.wav,Y7fmOlUlwoNg,Un chien aboie sous la pluie,fra_Latn
+
+``audio_path`` is absolute or relative to the manifest's directory (or to ``audio_root``).
+``language`` is an NLLB code (``fra_Latn``) or a short alias (``fr``, ``fra``). A clip may have
+several captions per language (Clotho: 5) and may lack some languages (the KCL mask).
+
+Randomness (crop offset, which caption of a language) is a pure function of
+``(seed, epoch, clip index)``, so a run is reproducible whatever the number of loader workers
+and resumes exactly mid-epoch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, Sampler
+
+from .ced import SAMPLE_RATE
+from .sonar import canonical_language
+
+REQUIRED_COLUMNS = ("audio_path", "audio_id", "caption", "language")
+
+
+class ManifestError(ValueError):
+    """A manifest row or file is wrong; the message names the file and the rows."""
+
+
+@dataclass
+class Clip:
+    audio_id: str
+    path: Path
+    captions: dict[str, list[str]] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)
+
+
+def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` pairs; line numbers are 1-based as an editor shows them."""
+    rows: list[tuple[int, dict[str, Any]]] = []
+    if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ManifestError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+                if not isinstance(row, dict):
+                    raise ManifestError(
+                        f"{path}:{line_no}: expected a JSON object, got {row!r:.60}"
+                    )
+                rows.append((line_no, row))
+        return rows
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None:
+            raise ManifestError(
+                f"{path}: empty file, expected a header {','.join(REQUIRED_COLUMNS)}"
+            )
+        missing = [c for c in REQUIRED_COLUMNS if c not in reader.fieldnames]
+        if missing:
+            raise ManifestError(
+                f"{path}: header {reader.fieldnames} lacks column(s) {missing}; expected "
+                f"{','.join(REQUIRED_COLUMNS)}"
+            )
+        for row in reader:
+            rows.append((reader.line_num, row))
+    return rows
+
+
+def read_manifest(
+    path: str | os.PathLike[str],
+    languages: Sequence[str],
+    audio_root: str | os.PathLike[str] | None = None,
+    check_files: bool = True,
+) -> list[Clip]:
+    """Parse and validate a manifest; returns one :class:`Clip` per audio id, in file order.
+
+    Raises :class:`ManifestError` naming the file and rows for: missing columns or fields,
+    empty captions, languages outside ``languages``, an audio id bound to two files, and (with
+    ``check_files``) audio files that do not exist.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"manifest {path} does not exist")
+    root = Path(audio_root) if audio_root is not None else path.parent
+    wanted = [canonical_language(lang) for lang in languages]
+    rows = _read_rows(path)
+    if not rows:
+        raise ManifestError(f"{path}: no rows")
+    clips: dict[str, Clip] = {}
+    bad: list[str] = []
+    unknown: dict[str, list[int]] = {}
+    for line_no, row in rows:
+        values = {c: row.get(c) for c in REQUIRED_COLUMNS}
+        empty = [c for c, v in values.items() if v is None or not str(v).strip()]
+        if empty:
+            bad.append(f"line {line_no}: empty or missing {empty}")
+            continue
+        lang = canonical_language(str(values["language"]))
+        if lang not in wanted:
+            unknown.setdefault(str(values["language"]), []).append(line_no)
+            continue
+        audio_id = str(values["audio_id"]).strip()
+        audio_path = Path(str(values["audio_path"]).strip())
+        if not audio_path.is_absolute():
+            audio_path = root / audio_path
+        clip = clips.setdefault(audio_id, Clip(audio_id, audio_path))
+        if clip.path != audio_path:
+            bad.append(
+                f"line {line_no}: audio_id {audio_id!r} points to {audio_path} but an earlier "
+                f"row (line {clip.rows[0]}) points to {clip.path}"
+            )
+            continue
+        clip.captions.setdefault(lang, []).append(str(values["caption"]).strip())
+        clip.rows.append(line_no)
+    if bad:
+        raise ManifestError(f"{path}: {len(bad)} bad row(s): " + "; ".join(bad[:10]))
+    if unknown:
+        detail = "; ".join(
+            f"{lang!r} on line(s) {lines[:5]}{'...' if len(lines) > 5 else ''}"
+            for lang, lines in unknown.items()
+        )
+        raise ManifestError(
+            f"{path}: language(s) not among the configured {wanted}: {detail} "
+            "(add them to --languages or remove the rows)"
+        )
+    if check_files:
+        missing = [(c.rows[0], c.path) for c in clips.values() if not c.path.is_file()]
+        if missing:
+            listed = ", ".join(f"{p} (line {line})" for line, p in missing[:10])
+            raise ManifestError(
+                f"{path}: {len(missing)} audio file(s) not found: {listed}"
+                f"{'...' if len(missing) > 10 else ''}"
+            )
+    return list(clips.values())
+
+
+def require_language(clips: Sequence[Clip], language: str, why: str, manifest: str) -> None:
+    """Every clip must have a caption in ``language`` (e.g. English for CACL)."""
+    lacking = [c for c in clips if language not in c.captions]
+    if lacking:
+        listed = ", ".join(f"{c.audio_id} (line {c.rows[0]})" for c in lacking[:10])
+        raise ManifestError(
+            f"{manifest}: {len(lacking)} clip(s) have no {language} caption, which {why} needs: "
+            f"{listed}{'...' if len(lacking) > 10 else ''}"
+        )
+
+
+def require_other_language(clips: Sequence[Clip], english: str, manifest: str) -> None:
+    """Every clip must have a caption in some language besides English (CACL's other one)."""
+    lacking = [c for c in clips if not any(lang != english for lang in c.captions)]
+    if lacking:
+        listed = ", ".join(f"{c.audio_id} (line {c.rows[0]})" for c in lacking[:10])
+        raise ManifestError(
+            f"{manifest}: {len(lacking)} clip(s) have only {english} captions; CACL pairs "
+            f"English with another language: {listed}{'...' if len(lacking) > 10 else ''}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Audio
+# --------------------------------------------------------------------------------------------
+
+
+def resample(wave: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np.ndarray:
+    """Band-limited polyphase resampling (``scipy.signal.resample_poly``, Kaiser-windowed FIR)."""
+    if orig_sr == target_sr:
+        return wave
+    try:
+        from scipy.signal import resample_poly
+    except ImportError as err:  # pragma: no cover - scipy is in the examples extra
+        raise ImportError(
+            "resampling needs scipy: pip install 'contrastive-losses[examples]'"
+        ) from err
+    g = math.gcd(int(orig_sr), int(target_sr))
+    out = resample_poly(wave, target_sr // g, orig_sr // g, axis=0)
+    return np.asarray(out, dtype=np.float32)
+
+
+def load_audio(
+    path: str | os.PathLike[str],
+    max_seconds: float | None = None,
+    rng: np.random.Generator | None = None,
+    target_sr: int = SAMPLE_RATE,
+) -> np.ndarray:
+    """Mono float32 waveform at ``target_sr``; longer than ``max_seconds`` -> a crop of that length.
+
+    The crop starts at a uniform random offset drawn from ``rng`` (the start with ``rng=None``);
+    only the cropped frames are read from disk.
+    """
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(path))
+    except Exception as err:  # soundfile raises LibsndfileError / RuntimeError variants
+        raise ManifestError(f"cannot read audio file {path}: {err}") from err
+    start, stop = 0, info.frames
+    if max_seconds is not None:
+        crop = round(max_seconds * info.samplerate)
+        if info.frames > crop:
+            offset = int(rng.integers(0, info.frames - crop + 1)) if rng is not None else 0
+            start, stop = offset, offset + crop
+    wave, sr = sf.read(str(path), start=start, stop=stop, dtype="float32", always_2d=True)
+    if wave.shape[0] == 0:
+        raise ManifestError(f"audio file {path} is empty")
+    mono = wave.mean(axis=1)
+    out = resample(mono, int(sr), target_sr)
+    if max_seconds is not None:
+        out = out[: round(max_seconds * target_sr)]
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------------------------
+
+
+class TrainDataset(Dataset[dict[str, Any]]):
+    """One item per clip: a random crop and, per language, one of its captions (or ``None``)."""
+
+    def __init__(
+        self,
+        clips: Sequence[Clip],
+        languages: Sequence[str],
+        max_seconds: float = 10.0,
+        seed: int = 0,
+    ) -> None:
+        self.clips = list(clips)
+        self.languages = [canonical_language(lang) for lang in languages]
+        self.max_seconds = max_seconds
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.clips)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        clip = self.clips[index]
+        rng = np.random.default_rng([self.seed, self.epoch, index])
+        wave = load_audio(clip.path, self.max_seconds, rng)
+        captions: list[str | None] = []
+        for lang in self.languages:
+            options = clip.captions.get(lang)
+            captions.append(None if not options else options[int(rng.integers(len(options)))])
+        return {"audio": torch.from_numpy(wave), "captions": captions, "index": index}
+
+
+class AudioOnlyDataset(Dataset[dict[str, Any]]):
+    """Whole clips (no crop unless ``max_seconds``) for evaluation and knowledge banks."""
+
+    def __init__(self, clips: Sequence[Clip], max_seconds: float | None = None) -> None:
+        self.clips = list(clips)
+        self.max_seconds = max_seconds
+
+    def __len__(self) -> int:
+        return len(self.clips)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        wave = load_audio(self.clips[index].path, self.max_seconds, None)
+        return {"audio": torch.from_numpy(wave), "captions": [], "index": index}
+
+
+def collate(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Pad waveforms to the longest; keep captions as a ``(B, K)`` list of lists and the mask.
+
+    Returns ``audio (B, S)``, ``lengths (B,)``, ``captions`` (B lists of K ``str | None``),
+    ``mask (B, K)`` bool (caption present) and ``index (B,)`` dataset indices (clip ids).
+    """
+    lengths = torch.tensor([item["audio"].shape[0] for item in items], dtype=torch.long)
+    audio = torch.zeros(len(items), int(lengths.max()))
+    for i, item in enumerate(items):
+        audio[i, : item["audio"].shape[0]] = item["audio"]
+    captions = [list(item["captions"]) for item in items]
+    k = len(captions[0]) if captions else 0
+    mask = torch.tensor([[c is not None for c in row] for row in captions], dtype=torch.bool)
+    return {
+        "audio": audio,
+        "lengths": lengths,
+        "captions": captions,
+        "mask": mask.reshape(len(items), k),
+        "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
+    }
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """Shuffled batches of one rank's shard; the order is a function of ``(seed, epoch)``.
+
+    Like ``DistributedSampler``: the permutation is padded by wrapping around to a multiple of
+    ``world_size`` and rank ``r`` takes every ``world_size``-th index from ``r``, so every rank has
+    the same number of batches. ``drop_last`` drops the incomplete last batch (contrastive losses
+    want full batches). ``start_batch`` skips batches already done (exact resume).
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
+        self.num_items = num_items
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def _shard(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.num_items, generator=g).tolist()
+        else:
+            order = list(range(self.num_items))
+        per_rank = math.ceil(self.num_items / self.world_size)
+        total = per_rank * self.world_size
+        order = (order * math.ceil(total / max(len(order), 1)))[:total]
+        return order[self.rank : total : self.world_size]
+
+    def batches(self) -> list[list[int]]:
+        shard = self._shard()
+        out = [shard[i : i + self.batch_size] for i in range(0, len(shard), self.batch_size)]
+        if self.drop_last and out and len(out[-1]) < self.batch_size:
+            out.pop()
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.batches()[self.start_batch :]
+
+    def __len__(self) -> int:
+        return max(len(self.batches()) - self.start_batch, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing which captions a loss sees
+# --------------------------------------------------------------------------------------------
+
+
+def random_present(mask: Tensor, generator: torch.Generator) -> Tensor:
+    """One present language per row of ``mask (B, K)``, uniformly (the ML-CLAP baseline)."""
+    if not bool(mask.any(dim=1).all()):
+        raise ValueError("mask: a sample has no caption at all")
+    return torch.multinomial(mask.float(), 1, generator=generator).squeeze(1)
+
+
+def pick(captions: Sequence[Sequence[str | None]], column: Tensor) -> list[str]:
+    """``captions[i][column[i]]`` for every row (all must be present)."""
+    out = []
+    for i, k in enumerate(column.tolist()):
+        text = captions[i][k]
+        if text is None:
+            raise ValueError(f"captions: sample {i} has no caption in language column {k}")
+        out.append(text)
+    return out
+
+
+def eval_captions(
+    clips: Sequence[Clip], languages: Sequence[str], manifest: str
+) -> tuple[list[str], list[str], int]:
+    """Flatten the test captions to ``(N, K, C)`` order: returns texts, their languages, and C.
+
+    ``C`` is the smallest number of captions any clip has in any language; clips with more are
+    truncated to ``C`` (the metrics need a dense ``(N, K, C, D)``). A clip missing a language
+    is an error naming it.
+    """
+    langs = [canonical_language(lang) for lang in languages]
+    lacking = [(c, lang) for c in clips for lang in langs if not c.captions.get(lang)]
+    if lacking:
+        listed = ", ".join(f"{c.audio_id} lacks {lang}" for c, lang in lacking[:10])
+        raise ManifestError(
+            f"{manifest}: the test manifest needs a caption in every language for every clip: "
+            f"{listed}{'...' if len(lacking) > 10 else ''}"
+        )
+    c = min(len(clip.captions[lang]) for clip in clips for lang in langs)
+    texts: list[str] = []
+    text_langs: list[str] = []
+    for clip in clips:
+        for lang in langs:
+            texts.extend(clip.captions[lang][:c])
+            text_langs.extend([lang] * c)
+    return texts, text_langs, c

@@ -1,0 +1,246 @@
+"""Offline stand-ins for tests, smoke runs and benchmarks: synthetic captioned audio, a tiny NLLB
+tokenizer trained with sentencepiece, and a randomly initialised SONAR-shaped encoder directory.
+
+Nothing here is downloaded. The tokenizer and the encoder directory have the same layout as the
+real ported SONAR checkpoint (``config.json``, ``model.safetensors``, ``tokenizer.json``), so the
+trainer loads them with its real loading code.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+#: Sound classes of the synthetic data and their captions in three languages.
+SOUNDS: dict[str, dict[str, str]] = {
+    "high_tone": {
+        "eng_Latn": "a {adj} high beeping tone",
+        "fra_Latn": "un bip aigu {adj_fr}",
+        "deu_Latn": "ein {adj_de} hoher piepton",
+    },
+    "low_tone": {
+        "eng_Latn": "a {adj} low humming tone",
+        "fra_Latn": "un bourdonnement grave {adj_fr}",
+        "deu_Latn": "ein {adj_de} tiefes brummen",
+    },
+    "noise": {
+        "eng_Latn": "{adj} white noise hissing",
+        "fra_Latn": "un bruit blanc {adj_fr} qui siffle",
+        "deu_Latn": "ein {adj_de} weisses rauschen",
+    },
+    "chirp": {
+        "eng_Latn": "a {adj} rising chirp",
+        "fra_Latn": "un gazouillis montant {adj_fr}",
+        "deu_Latn": "ein {adj_de} steigendes zwitschern",
+    },
+    "pulses": {
+        "eng_Latn": "{adj} rhythmic clicking pulses",
+        "fra_Latn": "des impulsions rythmiques {adj_fr}",
+        "deu_Latn": "{adj_de} rhythmische klickende impulse",
+    },
+}
+ADJECTIVES = [("loud", "fort", "lauter"), ("soft", "doux", "leiser"), ("short", "bref", "kurzer")]
+LANGUAGES3 = ("eng_Latn", "fra_Latn", "deu_Latn")
+
+
+def synth_sound(
+    kind: str, seconds: float, sample_rate: int, rng: np.random.Generator
+) -> np.ndarray:
+    """A few seconds of one sound class with random pitch/level, float32 in [-1, 1]."""
+    n = int(seconds * sample_rate)
+    t = np.arange(n) / sample_rate
+    level = rng.uniform(0.2, 0.6)
+    if kind == "high_tone":
+        wave = np.sin(2 * np.pi * rng.uniform(2500, 3500) * t)
+    elif kind == "low_tone":
+        wave = np.sin(2 * np.pi * rng.uniform(150, 300) * t)
+    elif kind == "noise":
+        wave = rng.standard_normal(n) * 0.5
+    elif kind == "chirp":
+        f0, f1 = rng.uniform(300, 600), rng.uniform(3000, 5000)
+        wave = np.sin(2 * np.pi * (f0 * t + (f1 - f0) * t**2 / (2 * seconds)))
+    elif kind == "pulses":
+        wave = np.zeros(n)
+        period = int(sample_rate * rng.uniform(0.08, 0.15))
+        for start in range(0, n, period):
+            wave[start : start + int(0.004 * sample_rate)] = 1.0
+    else:
+        raise ValueError(f"unknown sound kind {kind!r}")
+    wave = wave + 0.01 * rng.standard_normal(n)
+    return (level * wave / max(np.abs(wave).max(), 1e-6)).astype(np.float32)
+
+
+def caption(kind: str, lang: str, adjective: int) -> str:
+    adj, adj_fr, adj_de = ADJECTIVES[adjective]
+    return SOUNDS[kind][lang].format(adj=adj, adj_fr=adj_fr, adj_de=adj_de)
+
+
+def make_dataset(
+    directory: str | os.PathLike[str],
+    n_train: int = 16,
+    n_test: int = 8,
+    seconds: Sequence[float] = (2.0, 3.0),
+    languages: Sequence[str] = LANGUAGES3,
+    seed: int = 0,
+    drop_language_every: int = 4,
+    test_captions: int = 2,
+) -> dict[str, Path]:
+    """Write wav clips and ``train.csv`` / ``test.jsonl`` manifests under ``directory``.
+
+    Training clips use mixed sample rates (16, 22.05, 44.1 kHz) and some are stereo, so loading
+    resamples and downmixes. Every ``drop_language_every``-th training clip lacks its last
+    language (exercises the KCL mask); English and the second language are always present.
+    Test clips have ``test_captions`` captions in every language.
+    """
+    import soundfile as sf
+
+    directory = Path(directory)
+    audio_dir = directory / "audio"
+    audio_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    kinds = list(SOUNDS)
+    rates = (16_000, 22_050, 44_100)
+    rows: dict[str, list[dict[str, str]]] = {"train": [], "test": []}
+    for split, count in (("train", n_train), ("test", n_test)):
+        for i in range(count):
+            kind = kinds[i % len(kinds)]
+            sr = rates[i % len(rates)] if split == "train" else 16_000
+            length = float(seconds[i % len(seconds)])
+            wave = synth_sound(kind, length, sr, rng)
+            if split == "train" and i % 3 == 1:
+                wave = np.stack([wave, wave * 0.9], axis=1)  # stereo
+            audio_id = f"{split}_{i:03d}_{kind}"
+            path = audio_dir / f"{audio_id}.wav"
+            sf.write(str(path), wave, sr)
+            n_caps = test_captions if split == "test" else 1
+            for j, lang in enumerate(languages):
+                if (
+                    split == "train"
+                    and drop_language_every
+                    and j == len(languages) - 1
+                    and j >= 2
+                    and i % drop_language_every == drop_language_every - 1
+                ):
+                    continue
+                for c in range(n_caps):
+                    adjective = (
+                        int(rng.integers(len(ADJECTIVES))) if c == 0 else (c + i) % len(ADJECTIVES)
+                    )
+                    rows[split].append(
+                        {
+                            "audio_path": f"audio/{audio_id}.wav",
+                            "audio_id": audio_id,
+                            "caption": caption(kind, lang, adjective),
+                            "language": lang,
+                        }
+                    )
+    train = directory / "train.csv"
+    with train.open("w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["audio_path", "audio_id", "caption", "language"])
+        writer.writeheader()
+        writer.writerows(rows["train"])
+    test = directory / "test.jsonl"
+    with test.open("w", encoding="utf-8") as f:
+        for row in rows["test"]:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return {"train": train, "test": test, "audio": audio_dir}
+
+
+def corpus(languages: Sequence[str] = LANGUAGES3) -> list[str]:
+    """Every caption the synthetic data can produce (the tokenizer's training text)."""
+    lines = []
+    for kind in SOUNDS:
+        for lang in languages:
+            for a in range(len(ADJECTIVES)):
+                lines.append(caption(kind, lang, a))
+    return lines
+
+
+def train_nllb_tokenizer(
+    directory: str | os.PathLike[str], lines: Sequence[str], vocab_size: int = 160
+) -> Any:
+    """Train a tiny sentencepiece BPE model on ``lines`` and wrap it as an ``NllbTokenizer``.
+
+    The NLLB layout is kept: ``<s> <pad> </s> <unk>`` at ids 0-3, the sentencepiece pieces after
+    them, then the 202 NLLB language codes and ``<mask>``. Saved as ``tokenizer.json`` in
+    ``directory`` (what the real checkpoints ship), so ``AutoTokenizer`` loads it.
+    """
+    import sentencepiece as spm
+    from transformers import NllbTokenizer
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(lines) * 20),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab: dict[str, int] = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(sp.get_piece_size()):
+        if sp.is_control(i) or sp.is_unknown(i):
+            continue
+        vocab.setdefault(sp.id_to_piece(i), len(vocab))
+    merges = [
+        (piece[:cut], piece[cut:])
+        for piece in vocab
+        if not piece.startswith("<")
+        for cut in range(1, len(piece))
+        if piece[:cut] in vocab and piece[cut:] in vocab
+    ]
+    tokenizer = NllbTokenizer(vocab=vocab, merges=cast(Any, merges))  # (left, right) pairs
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def make_sonar_dir(
+    directory: str | os.PathLike[str],
+    lines: Sequence[str] | None = None,
+    d_model: int = 32,
+    layers: int = 2,
+    heads: int = 2,
+    ffn: int = 64,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> Path:
+    """A SONAR-shaped encoder directory with random weights and a tiny tokenizer."""
+    import torch
+    from transformers.models.m2m_100.modeling_m2m_100 import M2M100Encoder
+
+    from .sonar import sonar_config
+
+    directory = Path(directory)
+    tokenizer = train_nllb_tokenizer(directory, lines or corpus())
+    config = sonar_config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        encoder_layers=layers,
+        encoder_attention_heads=heads,
+        encoder_ffn_dim=ffn,
+        max_position_embeddings=256,
+        dropout=dropout,
+        attention_dropout=dropout,
+        activation_dropout=dropout,
+    )
+    torch.manual_seed(seed)
+    encoder = M2M100Encoder(config)
+    encoder.save_pretrained(str(directory))
+    return directory
+
+
+def tiny_ced_config(**overrides: Any) -> dict[str, Any]:
+    """CED overrides for CPU tests: the architecture of the real models, 2 small blocks."""
+    values: dict[str, Any] = {"embed_dim": 32, "depth": 2, "num_heads": 2}
+    values.update(overrides)
+    return values

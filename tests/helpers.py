@@ -1,0 +1,58 @@
+"""Small helpers shared by the test modules: seeded float64 data and 2-process runs."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+F64 = torch.float64
+
+
+def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Standard normal float64 tensor from ``gen``."""
+    return torch.randn(*shape, generator=gen, dtype=F64)
+
+
+def random_mask(gen: torch.Generator, b: int, k: int, p: float = 0.7) -> torch.Tensor:
+    """``(b, k)`` presence mask, each caption present with probability ``p``; every clip
+    keeps its English caption (column 0)."""
+    mask = torch.rand(b, k, generator=gen) < p
+    mask[:, 0] = True
+    return mask
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker: Callable[..., None], out_dir: Path, world: int = 2) -> list[dict]:
+    """Run ``worker(rank, world, port, out_dir)`` in ``world`` gloo processes; each saves
+    ``out_dir/rank{r}.pt``. Returns the loaded results in rank order."""
+    mp.spawn(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
+
+
+RANK_SIZES = (5, 3)  # uneven on purpose: the last batch of an epoch
+
+
+def rank_data(k: int = 3, d: int = 4) -> dict[str, torch.Tensor]:
+    """The global batch that the 2-process tests split by ``RANK_SIZES``."""
+    g = torch.Generator().manual_seed(0)
+    n = sum(RANK_SIZES)
+    return {
+        "audio": randn(g, n, d),
+        "text": randn(g, n, k, d),
+        "mask": random_mask(g, n, k, p=0.6),
+        "ids": torch.tensor([0, 1, 2, 3, 0, 4, 2, 5]),
+    }
+
+
+def rank_rows(rank: int) -> slice:
+    lo = sum(RANK_SIZES[:rank])
+    return slice(lo, lo + RANK_SIZES[rank])
