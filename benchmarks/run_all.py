@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -81,8 +82,8 @@ class MarkdownSpec:
 
 
 # What to summarise of each known benchmark; unknown ones fall back to every markdown
-# table found in their JSON or standard output, with the columns named "a / b" or
-# "... ratio" as ratios.
+# table found in their JSON or standard output, with ratio columns found by
+# is_ratio_column (cells like "1.23x", or a header with the word "ratio").
 SPECS: dict[str, list[RowsSpec | MarkdownSpec]] = {
     "losses": [
         MarkdownSpec(
@@ -177,6 +178,10 @@ def parse_markdown(table: str) -> tuple[list[str], list[list[str]]]:
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()]
     header, body = rows[0], rows[1:]
     body = [r for r in body if not all(set(c) <= set("-: ") for c in r)]  # separator
+    # a repeated name ("| peak | ratio | extra | ratio |") takes its left neighbour's
+    header = [
+        f"{header[i - 1]} {h}" if i > 0 and header.count(h) > 1 else h for i, h in enumerate(header)
+    ]
     return header, body
 
 
@@ -192,6 +197,22 @@ def as_float(cell: object) -> float | None:
         return None
 
 
+RATIO_CELL = re.compile(r"^-?\d+(\.\d*)?(e[-+]?\d+)?\s*[x×]$")
+
+
+def is_ratio_column(name: str, cells: list[str]) -> bool:
+    """A column of ratios: cells written like ``1.23x``, or a header with the word
+    "ratio" over numbers."""
+    filled = [c.strip() for c in cells if c.strip() not in ("", "-", "–")]
+    if not filled:
+        return False
+    if all(RATIO_CELL.match(c) for c in filled):
+        return True
+    return bool(re.search(r"\bratio\b", name.lower())) and all(
+        as_float(c) is not None for c in filled
+    )
+
+
 def from_markdown(
     table: str,
     title: str,
@@ -201,7 +222,11 @@ def from_markdown(
 ) -> RatioTable | None:
     header, body = parse_markdown(table)
     if ratios is None:
-        ratios = [h for h in header if "/" in h or "ratio" in h.lower()]
+        ratios = [
+            h
+            for i, h in enumerate(header)
+            if is_ratio_column(h, [r[i] for r in body if i < len(r)])
+        ]
     if labels is None:
         labels = [header[0]] if header and header[0] not in ratios else []
     if not ratios:
@@ -243,8 +268,8 @@ def extract(name: str, payload: dict[str, Any], stdout: str = "") -> list[RatioT
             found.append(table)
     if found:
         return found
-    texts = [v for v in payload.values() if isinstance(v, str)] + [stdout]
-    for i, table_md in enumerate(t for text in texts for t in markdown_tables(text)):
+    tables = [t for v in payload.values() if isinstance(v, str) for t in markdown_tables(v)]
+    for i, table_md in enumerate(tables or markdown_tables(stdout)):
         table = from_markdown(table_md, f"table {i + 1}", None, None)
         if table is not None and table.rows:
             found.append(table)
@@ -395,6 +420,7 @@ def main() -> None:
         if plot(name, tables, png):
             lines += [f"Plot: `{png.name}` (next to this file).", ""]
     summary = out_dir / "summary.md"
+    summary.parent.mkdir(parents=True, exist_ok=True)
     summary.write_text("\n".join(lines))
     print(f"wrote {summary.relative_to(ROOT)}")
     if any("FAILED" in s for s in status.values()):
