@@ -8,8 +8,9 @@
 4. k-means (faiss) for 512 prototypes on the 50k x 1024 pairs (one run, modest niter).
 
 Single-threaded (torch and faiss) so that ratios do not depend on a shared machine's
-load. Each timing: ~2 s warm-up (at least one call), then the median of up to
-``--runs`` calls within ``--budget`` seconds. Results: ``benchmarks/results/ask.json``.
+load. Each timing (``timing.median_time``): ~2 s warm-up (at least one call), then the
+median of up to ``--runs`` calls within ``--budget`` seconds. Results:
+``benchmarks/results/ask.json`` (``--quick``: small sizes, ``results/quick/ask.json``).
 
     PYTHONPATH=src python benchmarks/bench_ask.py [--quick]
 """
@@ -19,10 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
+import sys
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +30,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import markdown_table, median_time, results_path
+
 from contrastive_losses.ask import ASKLoss
 from contrastive_losses.bank import KnowledgeBank
 from contrastive_losses.ot import sinkhorn
 
 
-def timeit(fn: Callable[[], Any], warmup: float, runs: int, budget: float) -> tuple[float, int]:
-    """Median wall time of ``fn`` after ``warmup`` seconds of calls; returns (median, n)."""
-    start = time.perf_counter()
-    fn()
-    while time.perf_counter() - start < warmup:
-        fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < runs and (len(times) < 3 or time.perf_counter() - start < budget):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), len(times)
-
-
-def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    def fmt(v: Any) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+def dict_table(rows: list[dict[str, Any]]) -> str:
+    cols = list(rows[0])
+    return markdown_table(cols, [[r[c] for c in cols] for r in rows])
 
 
 def bench_sinkhorn(args: argparse.Namespace, ot: Any) -> list[dict[str, Any]]:
@@ -75,17 +59,19 @@ def bench_sinkhorn(args: argparse.Namespace, ot: Any) -> list[dict[str, Any]]:
                 warnings.simplefilter("ignore")
                 return ot.sinkhorn(a, a, m, eps, method=method, numItermax=iters, stopThr=0.0)
 
-        t_auto, n1 = timeit(
+        t_auto, n1 = median_time(
             lambda s=s32: sinkhorn(s, eps, max_iter=iters), args.warmup, args.runs, args.budget
         )
-        t_log, _ = timeit(
+        t_log, _ = median_time(
             lambda s=s32: sinkhorn(s, eps, max_iter=iters, method="log"),
             args.warmup,
             args.runs,
             args.budget,
         )
-        t_pot_log, n2 = timeit(lambda: pot("sinkhorn_log"), args.warmup, args.runs, args.budget)
-        t_pot, _ = timeit(lambda: pot("sinkhorn"), args.warmup, args.runs, args.budget)
+        t_pot_log, n2 = median_time(
+            lambda: pot("sinkhorn_log"), args.warmup, args.runs, args.budget
+        )
+        t_pot, _ = median_time(lambda: pot("sinkhorn"), args.warmup, args.runs, args.budget)
         # same-plan check in float64 (float32 POT and ours differ by rounding only)
         s64 = s32.double()
         ref = pot("sinkhorn_log", (-s64).numpy(), np.full(b, 1.0 / b))
@@ -143,12 +129,12 @@ def bench_bank(args: argparse.Namespace, faiss: Any) -> tuple[list[dict[str, Any
         q = F.normalize(torch.randn(b, d, generator=g), dim=-1)
         q_np = q.numpy()
         batch_ids = torch.randint(0, n, (b,), generator=g)
-        t_bare, _ = timeit(
+        t_bare, _ = median_time(
             lambda q_np=q_np: bare.search(q_np, k), args.warmup, args.runs, args.budget
         )
         res: dict[str, float] = {}
         for backend, bank in banks.items():
-            res[backend], _ = timeit(
+            res[backend], _ = median_time(
                 lambda bank=bank, q=q, i=batch_ids: bank.search(q, k, "audio", exclude_ids=i),
                 args.warmup,
                 args.runs,
@@ -163,11 +149,11 @@ def bench_bank(args: argparse.Namespace, faiss: Any) -> tuple[list[dict[str, Any
             loss = 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
             loss.backward()
 
-        t_nce, _ = timeit(infonce, args.warmup, args.runs, args.budget)
+        t_nce, _ = median_time(infonce, args.warmup, args.runs, args.budget)
         t_ask: dict[str, float] = {}
         for backend, bank in banks.items():
             loss_fn = ASKLoss(bank, k=k)
-            t_ask[backend], _ = timeit(
+            t_ask[backend], _ = median_time(
                 lambda f=loss_fn, a=a, t_=t_, i=batch_ids: f(a, t_, i).backward(),
                 args.warmup,
                 args.runs,
@@ -198,7 +184,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--budget", type=float, default=3.0, help="seconds of timed runs per entry")
     p.add_argument("--kmeans-iters", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ask.json")
+    p.add_argument("--out", type=Path, help="result file (default: see timing.results_path)")
     args = p.parse_args()
     args.sinkhorn_sizes = [24, 256, 1024]
     args.batch_sizes = [24, 256]
@@ -234,14 +220,14 @@ def main() -> None:
         "bank_and_loss": bank_rows,
         "kmeans": kmeans,
     }
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    out = args.out if args.out is not None else results_path("ask", args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     print("\n## sinkhorn (100 iterations, epsilon 0.05, float32)\n")
-    print(table(sk, list(sk[0])))
+    print(dict_table(sk))
     print(f"\n## bank search and ASKLoss fwd+bwd ({args.bank_size} x {args.dim} bank, k = 10)\n")
-    print(table(bank_rows, list(bank_rows[0])))
+    print(dict_table(bank_rows))
     print(f"\n## k-means: {kmeans}")
 
 

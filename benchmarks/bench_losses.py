@@ -9,7 +9,8 @@ References:
   obvious way), and vs a loop of K ``clip_ref`` calls.
 * CACL vs three ``info_nce`` calls.
 
-Run: ``python benchmarks/bench_losses.py [--quick]``; writes results/losses.json.
+Run: ``python benchmarks/bench_losses.py [--quick]``; writes results/losses.json
+(``--quick``: results/quick/losses.json).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def fwd_bwd(loss_fn, *inputs: torch.Tensor):
     return run, lambda: loss_fn(*leaves)
 
 
-def bench(batch: int, k_langs: int, dim: int, repeats: int) -> list[dict[str, object]]:
+def bench(
+    batch: int, k_langs: int, dim: int, repeats: int, min_time: float = 1.0
+) -> list[dict[str, object]]:
     g = torch.Generator().manual_seed(0)
     a = torch.randn(batch, dim, generator=g)
     t = torch.randn(batch, dim, generator=g)
@@ -94,7 +97,7 @@ def bench(batch: int, k_langs: int, dim: int, repeats: int) -> list[dict[str, ob
         memory[name] = saved_tensor_bytes(forward)
     bt = b2 = torch.randn(batch, dim)
     runs["one_matmul"] = lambda: bt @ b2.T
-    times = interleaved_medians(runs, repeats=repeats, min_time=1.0)
+    times = interleaved_medians(runs, repeats=repeats, min_time=min_time)
     return [
         {"B": batch, "case": name, "seconds": times[name], "saved_bytes": memory.get(name)}
         for name in runs
@@ -114,14 +117,20 @@ TARGETS = {("info_nce", "clip_ref"): {1024: 0.7}, ("info_nce", "one_matmul"): {1
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="B in {24, 256}, fewer repeats")
+    parser.add_argument(
+        "--quick", action="store_true", help="B in {24, 256}, 5 repeats: a check, not a measurement"
+    )
+    parser.add_argument("--out", type=Path, help="result file (default: see timing.results_path)")
     args = parser.parse_args()
     batches = [24, 256] if args.quick else [24, 256, 1024]
-    warm_up(2.0)
+    warm_up(0.5 if args.quick else 2.0)
     rows: list[dict[str, object]] = []
     for batch in batches:
-        repeats = {24: 200, 256: 40, 1024: 9}[batch]
-        rows += bench(batch, k_langs=8, dim=1024, repeats=repeats)
+        if args.quick:  # a check that the script runs, not a measurement
+            rows += bench(batch, k_langs=8, dim=1024, repeats=5, min_time=0.0)
+        else:
+            repeats = {24: 200, 256: 40, 1024: 9}[batch]
+            rows += bench(batch, k_langs=8, dim=1024, repeats=repeats)
     lookup = {(r["B"], r["case"]): r for r in rows}
     table = []
     for ours, ref, kcl_targets in RATIOS:
@@ -149,7 +158,8 @@ def main() -> None:
         ["ratio", "B", "time ratio", "activation-memory ratio", "target", ""], table
     )
     print(md)
-    path = write_results("losses", {"rows": rows, "table_markdown": md})
+    payload = {"quick": args.quick, "rows": rows, "table_markdown": md}
+    path = write_results("losses", payload, quick=args.quick, path=args.out)
     print(f"\nwrote {path}")
 
 

@@ -1,16 +1,17 @@
 """SupportVectorRegularizer cost at loss level: fwd+bwd time and peak memory as ratios to
 its base loss, measured in the same run (CPU).
 
-    python benchmarks/bench_svr.py [--runs 25] [--warmup 2] [--threads 1]
+    python benchmarks/bench_svr.py [--runs 25] [--warmup 2] [--threads 1] [--quick]
 
 Base and regulariser are timed alternately (base, svr, svr, base, ...) so that load from
 other processes on a shared machine hits both alike. Two ratios: ``time_ratio``, the
 median of the per-pair ratios, and ``time_ratio_fast``, the ratio of the 10th-percentile
 times (the least-disturbed runs, the ``timeit`` convention on a noisy machine). Peak
 memory counts the tensor storages allocated during one fwd+bwd (inputs excluded) with a
-dispatch-mode tracker, since CPU tensors have no allocator statistics; it runs after all
-timing (the tracker's weakref finalisers slow later runs down). Writes
-``benchmarks/results/svr.json``.
+dispatch-mode tracker (``timing.peak_bytes``), since CPU tensors have no allocator
+statistics; it runs after all timing (the tracker's weakref finalisers slow later runs
+down). Writes ``benchmarks/results/svr.json`` (``--quick``: 5 runs, 0.2 s warm-up, into
+``results/quick/svr.json``).
 
 Cost model: per pair the base InfoNCE costs 3 (B x N x D) matmuls (logits + backward);
 bi-directional SVR adds 7 (anchor-candidate similarities + 2 backward, and the
@@ -26,14 +27,14 @@ import json
 import os
 import platform
 import statistics
-import time
-import weakref
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import paired_times, peak_bytes, results_path
 
 from contrastive_losses import InfoNCELoss, KCLLoss, SupportVectorRegularizer
 
@@ -45,63 +46,6 @@ VARIANTS = {  # name -> SupportVectorRegularizer kwargs
     "static_bi": {"radius": "static", "direction": "bi"},
     "dynamic_uni": {"radius": "dynamic", "direction": "uni"},
 }
-
-
-# ----------------------------------------------------------------------- measurement
-
-
-def _storages(tree: object) -> list[torch.UntypedStorage]:
-    return [x.untyped_storage() for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
-
-
-class _PeakMemory(TorchDispatchMode):
-    """Live bytes of storages created by ops while active (views of inputs excluded)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._alive: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
-        inputs = {s.data_ptr() for s in _storages((args, kwargs))}
-        for storage in _storages(out):
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or key in inputs or key in self._alive:
-                continue
-            self._alive.add(key)
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, nbytes)
-        return out
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._alive.discard(key)
-        self.live -= nbytes
-
-
-def peak_bytes(step: Callable[[], None]) -> int:
-    with _PeakMemory() as mem:
-        step()
-    return mem.peak
-
-
-def paired_times(
-    base: Callable[[], None], other: Callable[[], None], warmup: float, runs: int
-) -> tuple[list[float], list[float]]:
-    """Alternate the two steps; return their wall times in seconds."""
-    end = time.perf_counter() + warmup
-    while time.perf_counter() < end:
-        base()
-        other()
-    t_base, t_other = [], []
-    for r in range(runs):
-        order = (base, other) if r % 2 == 0 else (other, base)
-        for step in order:
-            start = time.perf_counter()
-            step()
-            (t_base if step is base else t_other).append(time.perf_counter() - start)
-    return t_base, t_other
 
 
 # ----------------------------------------------------------------------- cases
@@ -131,8 +75,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=25)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results/svr.json")
+    parser.add_argument("--quick", action="store_true", help="5 runs, 0.2 s warm-up")
+    parser.add_argument("--out", type=Path, help="result file (default: see timing.results_path)")
     args = parser.parse_args()
+    if args.quick:
+        args.runs, args.warmup = 5, 0.2
+    if args.out is None:
+        args.out = results_path("svr", args.quick)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     cases = []  # (loss, batch, variant, base step, svr step)
@@ -191,6 +140,7 @@ def main() -> None:
         "runs": args.runs,
         "load_average_1min_before": load_before,
         "warmup_s": args.warmup,
+        "quick": args.quick,
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "target_ratio": 2.2,

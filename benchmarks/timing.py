@@ -3,20 +3,32 @@
 Timings are only ever reported as ratios against a reference measured in the same run:
 the candidates are run interleaved (A, B, A, B, ...) so that a slow patch of the machine
 hits all of them alike, after a warm-up, and the median of many repeats is kept.
+
+Results: a full run writes ``results/<name>.json``; a ``--quick`` run (a check that the
+script works, not a measurement) writes ``results/quick/<name>.json`` so that it never
+overwrites the committed numbers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 RESULTS = Path(__file__).parent / "results"
+QUICK_RESULTS = RESULTS / "quick"
+
+
+# ----------------------------------------------------------------------- timing
 
 
 def warm_up(seconds: float = 2.0) -> None:
@@ -27,23 +39,77 @@ def warm_up(seconds: float = 2.0) -> None:
         x = torch.tanh(x @ x)
 
 
+def interleaved_times(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    *,
+    min_time: float = 0.0,
+    max_time: float = math.inf,
+    warmup: float = 0.0,
+    alternate: bool = False,
+) -> dict[str, list[float]]:
+    """Wall seconds of every call of each ``fn``, run interleaved round by round.
+
+    Warm-up: every ``fn`` is called (untimed) at least once, round by round until
+    ``warmup`` seconds have passed. Then rounds of one timed call each run while fewer
+    than ``repeats`` rounds are done or less than ``min_time`` seconds have passed, but
+    stop at ``max_time`` seconds once ``min(3, repeats)`` rounds are done. With
+    ``alternate`` every other round runs the ``fns`` in reverse order (A, B, B, A, ...), so
+    neither always runs first.
+    """
+    start = time.perf_counter()
+    for fn in fns.values():  # allocator and kernel caches
+        fn()
+    while time.perf_counter() - start < warmup:
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    items = list(fns.items())
+    start = time.perf_counter()
+    rounds = 0
+    while True:
+        elapsed = time.perf_counter() - start
+        if rounds >= min(3, repeats) and elapsed >= max_time:
+            break
+        if rounds >= repeats and elapsed >= min_time:
+            break
+        order = items[::-1] if alternate and rounds % 2 else items
+        for name, fn in order:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return times
+
+
 def interleaved_medians(
     fns: dict[str, Callable[[], object]], repeats: int, min_time: float = 0.0
 ) -> dict[str, float]:
     """Median seconds per call of each ``fn``, run interleaved ``repeats`` times (at least
     ``min_time`` seconds in all)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # one untimed call each: allocator and kernel caches
-        fn()
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < repeats or time.perf_counter() - start < min_time:
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-        rounds += 1
+    times = interleaved_times(fns, repeats, min_time=min_time)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def paired_times(
+    base: Callable[[], object], other: Callable[[], object], warmup: float, runs: int
+) -> tuple[list[float], list[float]]:
+    """Alternate the two steps (base, other, other, base, ...) ``runs`` times after
+    ``warmup`` seconds of both; return their wall times in seconds, pair by pair."""
+    times = interleaved_times({"base": base, "other": other}, runs, warmup=warmup, alternate=True)
+    return times["base"], times["other"]
+
+
+def median_time(
+    fn: Callable[[], object], warmup: float, runs: int, budget: float
+) -> tuple[float, int]:
+    """Median wall time of ``fn`` after ``warmup`` seconds of calls: up to ``runs`` calls,
+    stopping after ``budget`` seconds once 3 are done. Returns ``(median, calls timed)``."""
+    times = interleaved_times({"fn": fn}, runs, max_time=budget, warmup=warmup)["fn"]
+    return statistics.median(times), len(times)
+
+
+# ----------------------------------------------------------------------- memory
 
 
 def saved_tensor_bytes(fn: Callable[[], torch.Tensor]) -> int:
@@ -62,6 +128,50 @@ def saved_tensor_bytes(fn: Callable[[], torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _storages(tree: object) -> list[torch.UntypedStorage]:
+    return [x.untyped_storage() for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+class PeakMemory(TorchDispatchMode):
+    """Live bytes of storages created by ops while active (views of inputs excluded).
+
+    CPU tensors have no allocator statistics; this tracks every storage an op returns
+    until it is freed. Its weakref finalisers slow later code down: measure after timing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._alive: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        inputs = {s.data_ptr() for s in _storages((args, kwargs))}
+        for storage in _storages(out):
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._alive:
+                continue
+            self._alive.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._alive.discard(key)
+        self.live -= nbytes
+
+
+def peak_bytes(step: Callable[[], object]) -> int:
+    """Peak bytes of the storages allocated during ``step()`` (inputs excluded)."""
+    with PeakMemory() as mem:
+        step()
+    return mem.peak
+
+
+# ----------------------------------------------------------------------- results
+
+
 def machine() -> dict[str, object]:
     return {
         "torch": torch.__version__,
@@ -70,10 +180,17 @@ def machine() -> dict[str, object]:
     }
 
 
-def write_results(name: str, payload: dict[str, object]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+def results_path(name: str, quick: bool = False) -> Path:
+    """``results/<name>.json``, or ``results/quick/<name>.json`` for a ``--quick`` run."""
+    return (QUICK_RESULTS if quick else RESULTS) / f"{name}.json"
+
+
+def write_results(
+    name: str, payload: dict[str, object], *, quick: bool = False, path: Path | None = None
+) -> Path:
+    path = path if path is not None else results_path(name, quick)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path
 
 

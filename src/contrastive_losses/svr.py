@@ -140,7 +140,7 @@ class SupportVectorRegularizer(nn.Module):
     The SVR term falls as :math:`R` grows (the support vector moves onto its positive), so
     a learned radius rises until the constraint holds it. Watch ``radius_over_distance``:
     where :math:`R_i > \lVert a_i - t_i\rVert` the perpendicular pushes are reversed
-    rather than damped. In ``benchmarks/study_svr_controlled.py`` the dynamic radius with
+    rather than damped. In ``benchmarks/studies/svr.py`` the dynamic radius with
     ``beta=0.01`` ended above the distance for nearly every anchor; ``beta=1`` kept it
     below for about 90%.
 
