@@ -227,20 +227,21 @@ class BenchmarkResults(SphinxDirective):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        results = Path(self.config.cl_results_dir)
+        # "studies/*" renders the results of a sub-folder (the controlled studies).
+        sub, _, name = self.arguments[0].rpartition("/")
+        results = Path(self.config.cl_results_dir) / sub
         docdir = Path(self.env.doc2path(self.env.docname)).parent
         claimed: set[str] = self.env.temp_data.setdefault("cl_bench_claimed", set())
         stems = sorted(
             {p.stem for p in results.glob("*.json")} | {p.stem for p in results.glob("*.md")}
         )
-        name = self.arguments[0]
         if name == "*":
-            names = [s for s in stems if s not in claimed]
+            names = [s for s in stems if f"{sub}/{s}" not in claimed]
             with_titles = True
         else:
             names = [name]
             with_titles = False
-        claimed.update(names)
+        claimed.update(f"{sub}/{s}" for s in names)
         lines: list[str] = []
         for stem in names:
             lines += self._render(results, docdir, stem, stems, with_titles)
