@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from contrastive_losses.ask import ASKLoss, ask, inject, reliability
 from contrastive_losses.bank import KnowledgeBank, _faiss_available
+from contrastive_losses.distributed import resolve_gather
 from contrastive_losses.ot import sinkhorn
 
 ot = pytest.importorskip("ot")
@@ -213,11 +214,12 @@ def test_detached_plan_gradient_equals_passing_the_plan():
     assert (g3 - g1).abs().max() > 1e-6  # the flag changes the gradient
 
 
-def _bank(n=40, d=8, seed=0, backend="torch", protos=4, dup=1):
+def _bank(n=40, d=8, seed=0, backend="torch", protos=4, dup=1, gather=None):
     g = torch.Generator().manual_seed(seed)
     audio, text = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
     ids = torch.arange(n) // dup
-    return KnowledgeBank(d, backend=backend, num_prototypes=protos).build(audio, text, ids), ids
+    bank = KnowledgeBank(d, backend=backend, num_prototypes=protos)
+    return bank.build(audio, text, ids, gather=gather), ids
 
 
 BACKENDS = [
@@ -326,3 +328,67 @@ def test_function_bad_input():
         ask(a[:1], t[:1], fa[:1], ft[:1])
     with pytest.raises(ValueError, match="fine_audio"):
         ask(a, t, fa * float("nan"), ft)
+
+
+# ------------------------------------------------------------------ two ranks, gloo
+
+
+def _ask_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from helpers import rank_rows
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        a, t, ids = _ask_global_batch()
+        rows = rank_rows(rank)
+        results = {}
+        for reduction in ("mean", "none"):
+            # Every rank holds the whole bank (not a distributed build of rank shards).
+            loss_fn = ASKLoss(_bank(gather=False)[0], k=3, reduction=reduction)
+            assert resolve_gather(loss_fn.gather)
+            la, lt = a[rows].clone().requires_grad_(), t[rows].clone().requires_grad_()
+            loss = loss_fn(la, lt, ids[rows])
+            loss.sum().backward()
+            results[reduction] = (loss.detach(), la.grad, lt.grad)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _ask_global_batch():
+    from helpers import RANK_SIZES
+
+    g = torch.Generator().manual_seed(5)
+    n = sum(RANK_SIZES)
+    a = torch.randn(n, 8, generator=g, dtype=torch.float64)
+    t = a + 0.5 * torch.randn(n, 8, generator=g, dtype=torch.float64)
+    return a, t, torch.arange(n) * 5  # ids 0, 5, 10, ... are in the bank of _bank()
+
+
+def test_gathered_ask_matches_single_process(tmp_path):
+    """Uneven batches (5 and 3): the mean of the rank losses is the loss of the whole
+    batch, and the rank gradients averaged as DDP does are its gradient."""
+    from helpers import RANK_SIZES, spawn_ranks
+
+    ranks = spawn_ranks(_ask_rank_worker, tmp_path)
+    world = len(RANK_SIZES)
+    a, t, ids = _ask_global_batch()
+    for reduction in ("mean", "none"):
+        a1, t1 = a.clone().requires_grad_(), t.clone().requires_grad_()
+        loss = ASKLoss(_bank()[0], k=3, reduction=reduction)(a1, t1, ids)
+        loss.sum().backward()
+        if reduction == "mean":
+            mean = sum(r[reduction][0] for r in ranks) / world
+            torch.testing.assert_close(mean, loss.detach(), rtol=1e-6, atol=0)
+            scale = world  # every rank holds the global loss; DDP divides by world
+        else:
+            torch.testing.assert_close(torch.cat([r[reduction][0] for r in ranks]), loss.detach())
+            scale = 1  # each rank backpropagates only its own rows of the global losses
+        grad_a = torch.cat([r[reduction][1] for r in ranks]) / scale
+        grad_t = torch.cat([r[reduction][2] for r in ranks]) / scale
+        torch.testing.assert_close(grad_a, a1.grad, rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(grad_t, t1.grad, rtol=1e-6, atol=1e-12)

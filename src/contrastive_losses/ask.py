@@ -24,6 +24,7 @@ from ._checks import (
     _shape,
     check_embeddings,
     check_ids,
+    check_int,
     check_non_negative,
     check_positive,
     check_reduction,
@@ -31,6 +32,7 @@ from ._checks import (
     check_same_size,
 )
 from .bank import KnowledgeBank
+from .distributed import all_gather_no_grad, all_gather_with_grad, resolve_gather
 from .ot import sinkhorn
 
 __all__ = ["ASKLoss", "ask", "inject", "reliability"]
@@ -321,6 +323,11 @@ class ASKLoss(nn.Module):
             ``lambda_coarse``, ``epsilon``, ``temperature``, ``sinkhorn_iters``,
             ``detach_plan``, ``normalize`` and ``reduction``.
         use_coarse: use the prototypes (the bank must have some).
+        gather: all-gather across ranks (``None``: when ``torch.distributed`` runs with
+            more than one rank). Every rank then evaluates the loss of the global batch —
+            Sinkhorn couples all its pairs — and gradients flow back to the owning ranks;
+            the mean over ranks equals the single-process loss. ``reduction="none"``
+            returns this rank's samples.
 
     Shape:
         - audio, text: ``(B, D)``; ids: ``(B,)`` integer dataset ids
@@ -358,15 +365,13 @@ class ASKLoss(nn.Module):
         detach_plan: bool = True,
         normalize: bool = True,
         reduction: str = "mean",
+        gather: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(bank, KnowledgeBank):
             raise TypeError(f"bank: expected a KnowledgeBank, got {type(bank).__name__}")
         for value, name in ((k, "k"), (k_coarse, "k_coarse"), (sinkhorn_iters, "sinkhorn_iters")):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name}: must be >= 1, got {value}")
+            check_int(value, name, 1)
         check_positive(temperature, "temperature")
         check_positive(epsilon, "epsilon")
         check_reduction(reduction)
@@ -384,6 +389,7 @@ class ASKLoss(nn.Module):
         self.detach_plan = detach_plan
         self.normalize = normalize
         self.reduction = reduction
+        self.gather = gather
 
     def retrieve(self, audio: Tensor, text: Tensor, ids: Tensor) -> dict[str, Tensor | None]:
         """The knowledge :func:`ask` takes: ``fine_audio``, ``fine_text`` ``(B, k, D)`` and
@@ -445,7 +451,18 @@ class ASKLoss(nn.Module):
             )
         ids = check_ids(ids, "ids", audio.shape[0], audio)
         knowledge: dict[str, Any] = self.retrieve(audio, text, ids)
-        return ask(
+        b, offset = audio.shape[0], 0
+        if resolve_gather(self.gather):
+            # Sinkhorn couples every pair of the batch, so each rank evaluates the loss of
+            # the global batch (cheap next to the encoders) and its gradient reaches the
+            # owners through the gather; the mean over ranks is the single-process loss.
+            audio, offset = all_gather_with_grad(audio)
+            text, _ = all_gather_with_grad(text)
+            knowledge = {
+                key: None if value is None else all_gather_no_grad(value.detach())
+                for key, value in knowledge.items()
+            }
+        out = ask(
             audio,
             text,
             knowledge["fine_audio"],
@@ -464,6 +481,13 @@ class ASKLoss(nn.Module):
             reduction=self.reduction,
             return_terms=return_terms,
         )
+        if self.reduction != "none" or audio.shape[0] == b:
+            return out
+        # reduction="none" under gather: this rank's samples only.
+        if isinstance(out, tuple):
+            loss, terms = out
+            return loss[offset : offset + b], terms
+        return out[offset : offset + b]
 
     def extra_repr(self) -> str:
         return (
