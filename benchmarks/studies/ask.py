@@ -315,10 +315,7 @@ def run(args) -> dict[str, dict[str, list[dict]]]:
 
 def main() -> None:
     args = common.parse_args(__doc__, epochs=20, seeds=5)
-    saved: dict = common.load(args, "ask") if args.render else {}
-    start = time.perf_counter()
-    runs = saved["runs"] if args.render else run(args)
-    seconds = saved["seconds"] if args.render else time.perf_counter() - start
+    runs, seconds, saved = common.run_or_load(args, "ask", run)
     md = markdown(runs, args, seconds)
     md += "\n## Against InfoNCE, seed by seed\n\n" + checks(runs) + "\n\n" + INTERPRETATION
     print(md)
@@ -336,9 +333,7 @@ def main() -> None:
         "conditions": CONDITIONS,
         "quick": args.quick,
     }
-    payload = {
-        **({"machine": saved["machine"]} if args.render else {}),
-        "setup": saved.get("setup", setup),
+    results = {
         "summary": {
             c: {m: {k: common.curves(runs[c][m], k) for k in runs[c][m][0]} for m in METHODS}
             for c in CONDITIONS
@@ -346,7 +341,7 @@ def main() -> None:
         "runs": runs,
         "seconds": seconds,
     }
-    common.write(args.out_dir, "ask", md, payload)
+    common.save_study(args, "ask", md, setup, saved, results)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,6 +357,33 @@ def load(args: argparse.Namespace, name: str) -> dict[str, Any]:
     payload = json.loads((args.out_dir / f"{name}.json").read_text(encoding="utf-8"))
     args.epochs, args.seeds = payload["setup"]["epochs"], payload["setup"]["seeds"]
     return payload
+
+
+def run_or_load(
+    args: argparse.Namespace, name: str, run: Callable[[argparse.Namespace], Any]
+) -> tuple[Any, float, dict[str, Any]]:
+    """``(runs, seconds, saved)``: train with ``run(args)``, or with ``--render`` reload the
+    runs and timing of ``<name>.json`` (``saved``; empty when training)."""
+    saved = load(args, name) if args.render else {}
+    start = time.perf_counter()
+    runs = saved["runs"] if args.render else run(args)
+    seconds = saved["seconds"] if args.render else time.perf_counter() - start
+    return runs, seconds, saved
+
+
+def save_study(
+    args: argparse.Namespace,
+    name: str,
+    markdown: str,
+    setup: dict[str, Any],
+    saved: dict[str, Any],
+    results: dict[str, Any],
+) -> None:
+    """Write a study's ``.md`` and ``.json``; a ``--render`` keeps the saved machine and
+    set-up, so re-rendering never relabels an old run."""
+    machine_of_run = {"machine": saved["machine"]} if args.render else {}
+    payload = {**machine_of_run, "setup": saved.get("setup", setup), **results}
+    write(args.out_dir, name, markdown, payload)
 
 
 def _rounded(x: Any) -> Any:

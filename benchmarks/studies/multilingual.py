@@ -286,10 +286,7 @@ def run(args) -> dict[str, list[dict]]:
 
 def main() -> None:
     args = common.parse_args(__doc__, epochs=30, seeds=4)
-    saved: dict = common.load(args, "multilingual") if args.render else {}
-    start = time.perf_counter()
-    runs = saved["runs"] if args.render else run(args)
-    seconds = saved["seconds"] if args.render else time.perf_counter() - start
+    runs, seconds, saved = common.run_or_load(args, "multilingual", run)
     md = markdown(runs, args, seconds)
     md += "\n## ATRI's claims, seed by seed\n\n" + checks(runs) + "\n\n" + INTERPRETATION
     print(md)
@@ -304,16 +301,14 @@ def main() -> None:
         "temperature": TEMPERATURE,
         "quick": args.quick,
     }
-    payload = {
-        **({"machine": saved["machine"]} if args.render else {}),
-        "setup": saved.get("setup", setup),
+    results = {
         "runs": {
             m: [{"report": dict(r["report"]), "curves": r["curves"]} for r in runs[m]]
             for m in METHODS
         },
         "seconds": seconds,
     }
-    common.write(args.out_dir, "multilingual", md, payload)
+    common.save_study(args, "multilingual", md, setup, saved, results)
 
 
 if __name__ == "__main__":

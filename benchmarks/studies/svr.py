@@ -21,8 +21,6 @@ Writes ``benchmarks/results/studies/svr.{md,json,png}``.
 
 from __future__ import annotations
 
-import time
-
 import matplotlib
 
 matplotlib.use("Agg")
@@ -275,10 +273,7 @@ def run(args) -> dict[str, list[dict]]:
 
 def main() -> None:
     args = common.parse_args(__doc__, epochs=15, seeds=5)
-    saved: dict = common.load(args, "svr") if args.render else {}
-    start = time.perf_counter()
-    runs = saved["runs"] if args.render else run(args)
-    seconds = saved["seconds"] if args.render else time.perf_counter() - start
+    runs, seconds, saved = common.run_or_load(args, "svr", run)
     md = markdown(runs, args, seconds)
     md += "\n## Against InfoNCE, seed by seed\n\n" + checks(runs) + "\n\n" + INTERPRETATION
     print(md)
@@ -293,14 +288,12 @@ def main() -> None:
         "svr": SVR_KWARGS,
         "quick": args.quick,
     }
-    payload = {
-        **({"machine": saved["machine"]} if args.render else {}),
-        "setup": saved.get("setup", setup),
+    results = {
         "summary": {m: {k: common.curves(runs[m], k) for k in runs[m][0]} for m in METHODS},
         "runs": runs,
         "seconds": seconds,
     }
-    common.write(args.out_dir, "svr", md, payload)
+    common.save_study(args, "svr", md, setup, saved, results)
 
 
 if __name__ == "__main__":
