@@ -56,3 +56,17 @@ def rank_data(k: int = 3, d: int = 4) -> dict[str, torch.Tensor]:
 def rank_rows(rank: int) -> slice:
     lo = sum(RANK_SIZES[:rank])
     return slice(lo, lo + RANK_SIZES[rank])
+
+
+def assert_ddp_average_matches(
+    rank_results: list[dict], name: str, loss: torch.Tensor, *inputs: torch.Tensor
+) -> None:
+    """What DDP sees equals the single-process run: the mean over ranks of the rank losses
+    is ``loss``, and the rank input gradients (``rank_results[r][name] = (loss, grad, ...)``
+    in input order), averaged the same way, are the rows of ``inputs[i].grad``."""
+    world = len(rank_results)
+    mean_loss = sum(r[name][0] for r in rank_results) / world
+    torch.testing.assert_close(mean_loss, loss.detach(), rtol=1e-6, atol=0)
+    for i, x in enumerate(inputs, start=1):
+        grad = torch.cat([r[name][i] for r in rank_results]) / world
+        torch.testing.assert_close(grad, x.grad, rtol=1e-6, atol=1e-12)

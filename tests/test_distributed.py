@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import RANK_SIZES, rank_data, rank_rows, spawn_ranks
+from helpers import assert_ddp_average_matches, rank_data, rank_rows, spawn_ranks
 
 from contrastive_losses import functional as CF
 from contrastive_losses.distributed import resolve_gather
@@ -64,15 +64,7 @@ def test_gathered_loss_and_grads_match_single_process(rank_results, name):
     t = data["text"].clone().requires_grad_()
     loss = _losses(gather=False)[name](a, t, data["mask"], data["ids"])
     loss.backward()
-    world = len(RANK_SIZES)
-    # DDP averages over ranks: the mean of the rank losses is the global loss ...
-    mean_loss = sum(r[name][0] for r in rank_results) / world
-    torch.testing.assert_close(mean_loss, loss.detach(), rtol=1e-6, atol=0)
-    # ... and each rank's gradient, averaged the same way, is the global gradient's rows.
-    grad_a = torch.cat([r[name][1] for r in rank_results]) / world
-    grad_t = torch.cat([r[name][2] for r in rank_results]) / world
-    torch.testing.assert_close(grad_a, a.grad, rtol=1e-6, atol=1e-12)
-    torch.testing.assert_close(grad_t, t.grad, rtol=1e-6, atol=1e-12)
+    assert_ddp_average_matches(rank_results, name, loss, a, t)
 
 
 def test_gather_turns_on_automatically(rank_results):

@@ -14,7 +14,16 @@ import reference_svr as ref_svr
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import F64, RANK_SIZES, randn, random_mask, rank_data, rank_rows, spawn_ranks
+from helpers import (
+    F64,
+    RANK_SIZES,
+    assert_ddp_average_matches,
+    randn,
+    random_mask,
+    rank_data,
+    rank_rows,
+    spawn_ranks,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -678,13 +687,8 @@ def test_gathered_regulariser_matches_single_process(rank_results, name):
     t = data["text"].clone().requires_grad_()
     loss = call(loss_fn, a, t, data["mask"])
     loss.backward()
+    assert_ddp_average_matches(rank_results, name, loss, a, t)
     world = len(RANK_SIZES)
-    mean_loss = sum(r[name][0] for r in rank_results) / world
-    torch.testing.assert_close(mean_loss, loss.detach(), rtol=1e-6, atol=0)
-    grad_a = torch.cat([r[name][1] for r in rank_results]) / world
-    grad_t = torch.cat([r[name][2] for r in rank_results]) / world
-    torch.testing.assert_close(grad_a, a.grad, rtol=1e-6, atol=1e-12)
-    torch.testing.assert_close(grad_t, t.grad, rtol=1e-6, atol=1e-12)
     for pname, p in loss_fn.named_parameters():  # DDP averages parameter gradients
         mean_grad = sum(r[name][3][pname] for r in rank_results) / world
         torch.testing.assert_close(mean_grad, p.grad, rtol=1e-6, atol=1e-12)
