@@ -611,9 +611,13 @@ class Trainer:
                     batch["audio"].to(self.device), batch["lengths"].to(self.device)
                 )
             out.append(emb.float())
-        if not out:
+        return self._concat(out)
+
+    def _concat(self, chunks: list[Tensor]) -> Tensor:
+        """The chunks' embeddings as one ``(N, E)`` tensor (``(0, E)`` for no chunk)."""
+        if not chunks:
             return torch.zeros(0, self.model.embed_dim, device=self.device)
-        return torch.cat(out)
+        return torch.cat(chunks)
 
     def _embed_texts(self, texts: Sequence[str], langs: Sequence[str]) -> Tensor:
         out = []
@@ -627,9 +631,7 @@ class Trainer:
                     tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
                 )
             out.append(emb.float())
-        if not out:
-            return torch.zeros(0, self.model.embed_dim, device=self.device)
-        return torch.cat(out)
+        return self._concat(out)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:

@@ -445,11 +445,8 @@ class KnowledgeBank:
         return self.refresh_every > 0 and epoch > 0 and epoch % self.refresh_every == 0
 
     # ------------------------------------------------------------------ search
-    def _check_query(
-        self, queries: object, k: int, exclude_ids: object
-    ) -> tuple[Tensor, Tensor | None]:
-        if self.is_empty:
-            raise ValueError("bank: the knowledge bank is empty; call build() or refresh() first")
+    def _check_queries(self, queries: object, k: int) -> Tensor:
+        """``(B, D)`` queries of the bank's dim and a ``k >= 1``, shared by both searches."""
         queries = check_embeddings(
             queries, "queries", ndim=2, dims="(B, D)", min_batch=1, check_values=False
         )
@@ -459,6 +456,14 @@ class KnowledgeBank:
                 f"{self.dim} (shape {_shape(queries)})"
             )
         check_int(k, "k", 1)
+        return queries
+
+    def _check_query(
+        self, queries: object, k: int, exclude_ids: object
+    ) -> tuple[Tensor, Tensor | None]:
+        if self.is_empty:
+            raise ValueError("bank: the knowledge bank is empty; call build() or refresh() first")
+        queries = self._check_queries(queries, k)
         excl = None
         limit = len(self)
         if exclude_ids is not None:
@@ -595,15 +600,7 @@ class KnowledgeBank:
         check_choice(modality, "modality", MODALITIES)
         if self.num_built_prototypes == 0:
             raise ValueError("bank: no prototypes; build() with num_prototypes > 0 first")
-        queries = check_embeddings(
-            queries, "queries", ndim=2, dims="(B, D)", min_batch=1, check_values=False
-        )
-        if queries.shape[1] != self.dim:
-            raise ValueError(
-                f"queries: embedding dim {queries.shape[1]} does not match the bank's "
-                f"dim {self.dim}"
-            )
-        check_int(k, "k", 1)
+        queries = self._check_queries(queries, k)
         if k > self.num_built_prototypes:
             raise ValueError(
                 f"k: {k} exceeds the {self.num_built_prototypes} prototypes of the bank"
