@@ -4,6 +4,7 @@ baseline, at the same batch, on CPU (peak RSS of a fresh process per configurati
 Not a test: run it by hand, it takes a few minutes on 2 cores::
 
     PYTHONPATH=src python benchmarks/bench_gradcache_memory.py [--batch-size 8] [--steps 2]
+    PYTHONPATH=src python benchmarks/bench_gradcache_memory.py --quick   # tiny models: a check
 
 The models are "small but not tiny" stand-ins with the real architectures: a CED of width 256
 and depth 8 on 10 s clips (248 patches) and a SONAR-shaped M2M100 encoder of width 384, depth 8,
@@ -11,6 +12,10 @@ FFN 3072, on 8 languages with captions of 32 tokens -- the text side weighs as m
 the audio side as SONAR (24 x 1024, FFN 8192) does against CED-Base. Every configuration trains
 ``--steps`` steps (Adam state included) and is measured in its own process; ``setup`` is a run
 that builds everything and trains 0 steps, so "activations" = peak - setup.
+
+``--quick`` (what ``run_all.py --quick`` passes; it keeps the output in
+``results/quick/gradcache_memory.json``) uses B = 2, one step and width-64, depth-2 encoders:
+it checks that every configuration trains, it is not a measurement.
 """
 
 from __future__ import annotations
@@ -78,7 +83,13 @@ def main() -> None:
     parser.add_argument("--text-heads", type=int, default=6)
     parser.add_argument("--text-ffn", type=int, default=3072)
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument("--quick", action="store_true", help="tiny models, B = 2, one step")
     args = parser.parse_args()
+    ced_config = {"embed_dim": 256, "depth": 8, "num_heads": 4}
+    if args.quick:
+        vars(args).update(batch_size=2, steps=1, text_tokens=8, text_width=64, text_depth=2,
+                          text_heads=2, text_ffn=128)  # fmt: skip
+        ced_config = {"embed_dim": 64, "depth": 2, "num_heads": 2}
 
     work = Path(tempfile.mkdtemp(prefix="bench_gradcache_"))
     data = make_dataset(work / "data", n_train=2 * args.batch_size, n_test=0, seconds=(10.0,),
@@ -96,7 +107,7 @@ def main() -> None:
         "train_manifest": str(manifest),
         "sonar": str(sonar),
         "languages": list(PAPER_LANGUAGES),
-        "ced_config": {"embed_dim": 256, "depth": 8, "num_heads": 4},
+        "ced_config": ced_config,
         "embed_dim": 512,
         "batch_size": args.batch_size,
         "epochs": 1,

@@ -3,6 +3,11 @@
     PYTHONPATH=src python benchmarks/bench_metrics.py              # 5k captions x 1k clips
     PYTHONPATH=src python benchmarks/bench_metrics.py --threads 1  # steadier on a busy box
     PYTHONPATH=src python benchmarks/bench_metrics.py --large      # + 50k x 10k memory run
+    PYTHONPATH=src python benchmarks/bench_metrics.py --quick      # 500 x 100, D = 64: a check
+
+``--quick`` (what ``run_all.py --quick`` passes, which keeps the output in
+``results/quick/metrics.json``) shrinks every size and repeat count: it checks that the
+script runs, it is not a measurement.
 
 Speed: 5k text queries x 1k audio clips (5 captions per clip), D = 1024. Each metric is
 timed on the precomputed (5k, 1k) similarity and reported as a ratio to one
@@ -31,13 +36,20 @@ import torch
 from contrastive_losses import metrics
 
 N_AUDIO, N_CAPTIONS, DIM = 1000, 5, 1024
+WARMUP_S, ROUNDS = 2.0, 25
+QUICK = {"N_AUDIO": 100, "DIM": 64, "WARMUP_S": 0.2, "ROUNDS": 3}  # --quick overrides
+
+
+def size(n_audio: int) -> str:
+    """5000 -> "5k", 500 -> "500"."""
+    return f"{n_audio // 1000}k" if n_audio % 1000 == 0 else str(n_audio)
 
 
 # --------------------------------------------------------------------------- timing
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], object]], warmup_s: float = 2.0, rounds: int = 25
+    fns: dict[str, Callable[[], object]], warmup_s: float, rounds: int
 ) -> dict[str, tuple[float, float]]:
     """Median (wall s, process CPU s) of each callable; one call of each per round.
 
@@ -76,21 +88,23 @@ def speed() -> None:
     t = torch.nn.functional.normalize(text, dim=-1).reshape(-1, DIM)  # (5k, D)
     sim = t @ a.T  # (5k, 1k)
     cap_audio = torch.arange(N_AUDIO).repeat_interleave(N_CAPTIONS)
+    n_t, n_a = size(N_AUDIO * N_CAPTIONS), size(N_AUDIO)
+    matmul = f"matmul ({n_t},D)@(D,{n_a})"
     fns: dict[str, Callable[[], object]] = {
-        "matmul (5k,D)@(D,1k)": lambda: t @ a.T,
+        matmul: lambda: t @ a.T,
         "recall_at_k(k=(1,5,10))": lambda: metrics.recall_at_k(sim, query_ids=cap_audio),
         "map_at_k(k=10)": lambda: metrics.map_at_k(sim, query_ids=cap_audio, k=10),
         "retrieval_ranks": lambda: metrics.retrieval_ranks(sim, query_ids=cap_audio),
         "A2T map_at_k(k=10) on sim.T": lambda: metrics.map_at_k(sim.T, gallery_ids=cap_audio, k=10),
         "audio_text_retrieval (both directions)": lambda: metrics.audio_text_retrieval(audio, text),
     }
-    med = interleaved_medians(fns)
-    base_wall, base_cpu = med["matmul (5k,D)@(D,1k)"]
+    med = interleaved_medians(fns, WARMUP_S, ROUNDS)
+    base_wall, base_cpu = med[matmul]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
-    print(f"5k captions x 1k clips, D = {DIM}; medians of 25 interleaved rounds\n")
+    print(f"{n_t} captions x {n_a} clips, D = {DIM}; medians of {ROUNDS} interleaved rounds\n")
     print("| call | wall (ms) | wall / matmul | CPU (ms) | CPU / matmul |")
     print("|---|---:|---:|---:|---:|")
     rows = list(med.items())
@@ -153,25 +167,27 @@ def memory_case(case: str) -> None:
     print(json.dumps({"case": case, "extra_mb": (peak - before) / 1024, "seconds": seconds}))
 
 
-def memory(large: bool) -> None:
+def memory(large: bool, quick: bool) -> None:
+    shape = f"({size(N_AUDIO * N_CAPTIONS)}, {size(N_AUDIO)})"
+    clips = f"{size(N_AUDIO)} clips x {N_CAPTIONS} captions"
     cases = [
-        ("sim_recall_chunked", "recall_at_k on the (5k, 1k) sim, default chunks"),
-        ("sim_recall_unchunked", "recall_at_k on the (5k, 1k) sim, one chunk"),
-        ("sim_map_chunked", "map_at_k on the (5k, 1k) sim, default chunks"),
-        ("sim_map_unchunked", "map_at_k on the (5k, 1k) sim, one chunk"),
-        ("emb_chunked", "audio_text_retrieval 1k clips x 5 captions, default chunks"),
-        ("emb_unchunked", "audio_text_retrieval 1k clips x 5 captions, one chunk"),
+        ("sim_recall_chunked", f"recall_at_k on the {shape} sim, default chunks"),
+        ("sim_recall_unchunked", f"recall_at_k on the {shape} sim, one chunk"),
+        ("sim_map_chunked", f"map_at_k on the {shape} sim, default chunks"),
+        ("sim_map_unchunked", f"map_at_k on the {shape} sim, one chunk"),
+        ("emb_chunked", f"audio_text_retrieval {clips}, default chunks"),
+        ("emb_unchunked", f"audio_text_retrieval {clips}, one chunk"),
     ]
     if large:
         cases.append(("large_emb_chunked", "audio_text_retrieval 10k clips x 5 (50k x 10k), D=64"))
     sim_mb = N_AUDIO * N_AUDIO * N_CAPTIONS * 4 / 2**20
-    print(f"\nPeak memory above the inputs (the (5k, 1k) float32 sim is {sim_mb:.1f} MB;")
+    print(f"\nPeak memory above the inputs (the {shape} float32 sim is {sim_mb:.1f} MB;")
     print("a 50k x 10k one would be 1907 MB)\n")
     print("| case | peak extra (MB) | time (s) |\n|---|---:|---:|")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     for case, label in cases:
         out = subprocess.run(
-            [sys.executable, __file__, "--memory-case", case],
+            [sys.executable, __file__, "--memory-case", case, *(["--quick"] if quick else [])],
             capture_output=True,
             text=True,
             check=True,
@@ -187,7 +203,10 @@ def main() -> None:
     parser.add_argument("--memory-case", help=argparse.SUPPRESS)
     parser.add_argument("--no-speed", action="store_true", help="memory only")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, 3 rounds: a check")
     args = parser.parse_args()
+    if args.quick:
+        globals().update(QUICK)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_case:
@@ -195,7 +214,7 @@ def main() -> None:
         return
     if not args.no_speed:
         speed()
-    memory(args.large)
+    memory(args.large, args.quick)
 
 
 if __name__ == "__main__":

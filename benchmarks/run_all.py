@@ -9,8 +9,10 @@ Every ``benchmarks/bench_*.py`` runs in its own process, one after the other (ne
 parallel: they time things). ``--quick`` is passed through to the scripts that have a
 ``--quick`` mode; those write ``results/quick/<name>.json`` and this script writes
 ``results/quick/summary.md`` and ``results/quick/*_ratios.png``, so a quick check never
-overwrites the committed full numbers in ``results/``. A script without a ``--quick``
-mode is skipped by a quick run (and said so in the summary). A script that prints its
+overwrites the committed full numbers in ``results/``. Every benchmark must have a
+``--quick`` mode: a quick run marks a script without one as FAILED (in the summary and the
+exit status) instead of skipping it, so "the quick run passed" means every benchmark ran.
+A script that prints its
 tables instead of writing ``<name>.json`` gets one written here, holding the markdown
 tables of its standard output. Each script's output is kept in ``<name>.log``.
 
@@ -360,7 +362,8 @@ def main() -> None:
             status[name] = "not run now (--only/--skip)"
             continue
         if args.quick and not has_quick(script):
-            status[name] = "skipped: the script has no --quick mode; run without --quick"
+            status[name] = "FAILED: the script has no --quick mode (every benchmark needs one)"
+            print(f"{script.name}: {status[name]}", flush=True)
             continue
         json_path = out_dir / f"{name}.json"
         before = json_path.stat().st_mtime if json_path.exists() else None

@@ -6,6 +6,8 @@ Build (warnings are errors, as in CI)::
     PYTHONPATH=src python -m sphinx -W -b doctest docs docs/_build/doctest
 
 ``tests/test_docs.py`` runs both. The package is imported from ``src/`` (no install needed).
+Maths: a local MathJax (the ``docs`` extra's, or Debian's ``libjs-mathjax``) is copied into
+the build when installed, else the CDN is used; see ``_ext/cl_mathjax.py``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ extensions = [
     "sphinx_copybutton",
     "myst_parser",
     "cl_docs",
+    "cl_mathjax",  # a local MathJax when one is installed (offline maths), else the CDN
 ]
 
 # Intersphinx (links to the torch and Python docs) downloads objects.inv at build time.

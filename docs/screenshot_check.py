@@ -6,15 +6,19 @@
 Needs Chromium (Debian: ``apt-get install chromium``); not run in CI. Exits 1 when a page
 is missing, a screenshot is blank, or the maths did not typeset. Prints the PNG paths.
 
-The site loads MathJax from a CDN. Offline that shows raw TeX, so when Debian's
-``libjs-mathjax`` is installed the build here points ``mathjax_path`` at it (MathJax 2);
-``--mathjax URL`` picks another copy, ``--mathjax cdn`` keeps the default.
+MathJax: the build copies a local MathJax into ``_static/mathjax`` when one is installed
+(``docs/_ext/cl_mathjax.py``: the ``docs`` extra's django-static-mathjax, else Debian's
+``libjs-mathjax``), else it loads the CDN, which offline shows raw TeX. ``--mathjax DIR``
+picks a local copy, ``--mathjax cdn`` forces the CDN, ``--mathjax URL`` sets
+``mathjax_path``. When the page loads a local MathJax, the check also requires that it
+typeset the method page's equations.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +28,6 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
-LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax/MathJax.js")
 
 PAGES = [
     "index",
@@ -58,12 +61,15 @@ def api_pages() -> list[str]:
     return [f"api/generated/{m}" for m in modules if importlib.util.find_spec(m)]
 
 
-def build(out: Path, mathjax: str) -> Path:
+def build(out: Path, mathjax: str | None) -> Path:
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]
-    if mathjax != "cdn":
+    env = dict(os.environ)
+    if mathjax and "://" in mathjax:
         cmd += ["-D", f"mathjax_path={mathjax}"]
+    elif mathjax:
+        env["CL_DOCS_MATHJAX"] = mathjax  # "cdn" or a folder
     cmd += ["-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=env)
     return out / "html"
 
 
@@ -154,14 +160,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--html", type=Path, help="existing HTML build (skip building)")
     parser.add_argument("--out", type=Path, default=DOCS / "_build" / "screenshot")
-    parser.add_argument("--mathjax", default=None, help="MathJax URL, or 'cdn'")
+    parser.add_argument("--mathjax", default=None, help="a MathJax folder, a URL, or 'cdn'")
     args = parser.parse_args()
-    mathjax = args.mathjax or (
-        f"{LOCAL_MATHJAX.as_uri()}?config=TeX-AMS-MML_HTMLorMML"
-        if LOCAL_MATHJAX.exists()
-        else "cdn"
-    )
-    html = args.html or build(args.out, mathjax)
+    html = args.html or build(args.out, args.mathjax)
     failures = []
     missing = [p for p in PAGES + api_pages() if not (html / f"{p}.html").is_file()]
     if missing:
@@ -177,9 +178,11 @@ def main() -> int:
         print(f"{png}  ({page}.html, {share:.1%} non-background pixels)")
         if share < 0.01:
             failures.append(f"{png} is blank ({share:.2%} non-background pixels)")
-    if mathjax != "cdn" and not args.html:
-        dom = rendered_dom(html / f"{SHOTS['method']}.html")
-        if "MathJax" not in dom and "mjx-container" not in dom:
+    method = html / f"{SHOTS['method']}.html"
+    if method.is_file() and "_static/mathjax/" in method.read_text(encoding="utf-8"):
+        dom = rendered_dom(method)
+        # typeset output: <mjx-container> (MathJax 3/4), <span class="MathJax..."> (2)
+        if "<mjx-container" not in dom and 'class="MathJax' not in dom:
             failures.append(f"{SHOTS['method']}.html: MathJax did not typeset the equations")
     for failure in failures:
         print("FAIL:", failure, file=sys.stderr)

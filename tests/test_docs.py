@@ -14,6 +14,7 @@ import os
 import pkgutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,83 @@ def test_sphinx_html_and_doctest(tmp_path: Path) -> None:
     assert html.returncode == 0, f"sphinx -W -b html failed:\n{html.stdout}\n{html.stderr}"
     for page in ("index", "methods/kcl", "api/index", "api/generated/contrastive_losses"):
         assert (tmp_path / "html" / f"{page}.html").is_file(), page
+    check_api_entries(tmp_path / "html")
+    check_mathjax(tmp_path / "html")
     tests = _sphinx("doctest", tmp_path, doctrees)
     report = (tmp_path / "doctest" / "output.txt").read_text() if tests.returncode == 0 else ""
     assert tests.returncode == 0, f"sphinx -b doctest failed:\n{tests.stdout}\n{tests.stderr}"
     assert " 0 failures in tests" in report, report
+
+
+class _ApiEntries(HTMLParser):
+    """Each documented object's id, its kind (``dl`` class) and the text of its body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[tuple[str, str, str]] = []
+        self._kinds: list[str] = []  # enclosing <dl> classes
+        self._pending: tuple[str, str] | None = None  # (id, kind) of the last signature
+        self._open: list[tuple[str, str, int, list[str]]] = []  # bodies being read
+        self._dd_depth = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attr = dict(attrs)
+        if tag == "dl":
+            self._kinds.append(attr.get("class") or "")
+        elif tag == "dt" and "sig-object" in (attr.get("class") or "") and attr.get("id"):
+            self._pending = (str(attr["id"]), self._kinds[-1] if self._kinds else "")
+        elif tag == "dd":
+            self._dd_depth += 1
+            if self._pending is not None:
+                self._open.append((*self._pending, self._dd_depth, []))
+                self._pending = None
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "dl" and self._kinds:
+            self._kinds.pop()
+        elif tag == "dd":
+            if self._open and self._open[-1][2] == self._dd_depth:
+                name, kind, _, text = self._open.pop()
+                self.entries.append((name, kind, " ".join("".join(text).split())))
+            self._dd_depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        for *_, text in self._open:
+            text.append(data)
+
+
+def check_api_entries(html: Path) -> None:
+    """No API entry renders with an empty body, and no property shows a "Type" field (its
+    type is in the signature; napoleon makes one out of a docstring "X: y")."""
+    entries = []
+    for page in sorted((html / "api" / "generated").glob("*.html")):
+        parser = _ApiEntries()
+        parser.feed(page.read_text(encoding="utf-8"))
+        entries += parser.entries
+    assert len(entries) > 50, f"found only {len(entries)} API entries: has the HTML changed?"
+    empty = [name for name, _, body in entries if not body]
+    assert not empty, f"API entries without a docstring: {empty}"
+    typed = [name for name, kind, body in entries if "property" in kind and "Type:" in body]
+    assert not typed, f"properties whose docstring napoleon read as 'Type: ...': {typed}"
+
+
+def check_mathjax(html: Path) -> None:
+    """The method pages load the local MathJax copied into _static when one is installed
+    (docs/_ext/cl_mathjax.py), else the CDN."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    from cl_mathjax import LAYOUTS, TARGET, find_local_mathjax
+    from sphinx.ext.mathjax import MATHJAX_URL
+
+    page = (html / "methods" / "kcl.html").read_text(encoding="utf-8")
+    found = find_local_mathjax()
+    if found is None:
+        assert MATHJAX_URL in page, "no local MathJax installed, and the CDN is not loaded"
+        return
+    folder, major = found
+    entry = f"_static/{TARGET}/{LAYOUTS[major][0]}"
+    assert f'src="../{entry}"' in page, f"{folder} is installed but the page does not load it"
+    assert MATHJAX_URL not in page
+    assert (html / entry).is_file(), f"{entry} was not copied from {folder}"
 
 
 def _package_modules() -> list[str]:

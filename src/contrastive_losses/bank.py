@@ -228,10 +228,15 @@ class KnowledgeBank:
 
     @property
     def is_empty(self) -> bool:
+        """``True`` while the bank holds no pairs (before :meth:`build` or :meth:`refresh`)."""
         return len(self) == 0
 
     @property
     def device(self) -> torch.device:
+        """Device of the stored embeddings; :meth:`to` and ``refresh(device=...)`` move them.
+
+        The torch backend searches on the queries' device, with a cached copy of the bank.
+        """
         return self.audio.device
 
     @property

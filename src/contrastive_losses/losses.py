@@ -169,6 +169,7 @@ class SigLIPLoss(nn.Module):
 
     @property
     def scale(self) -> Tensor:
+        """Current logit scale :math:`c` (``exp`` of the stored :math:`\\log c`), a 0-d tensor."""
         return self.log_scale.exp()
 
     @property

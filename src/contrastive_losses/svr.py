@@ -243,7 +243,7 @@ class SupportVectorRegularizer(nn.Module):
 
     @property
     def temperature(self) -> Tensor | float:
-        """The SVR temperature: the override, else the base's current ``temperature``."""
+        """The SVR temperature, i.e. the override, else the base's current ``temperature``."""
         if self.svr_temperature is not None:
             return self.svr_temperature
         return cast(Tensor, self.base.temperature)
