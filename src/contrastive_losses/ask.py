@@ -524,7 +524,7 @@ class ASKLoss(nn.Module):
                 warnings.warn(
                     f"k_coarse: {self.k_coarse} exceeds the bank's {n_protos} prototypes; "
                     f"using {n_protos}",
-                    stacklevel=3,
+                    stacklevel=2,
                 )
         out: dict[str, Tensor | None] = {"coarse_audio": None, "coarse_text": None}
         for modality, x in (("audio", audio), ("text", text)):
