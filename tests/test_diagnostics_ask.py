@@ -40,23 +40,31 @@ def test_ask_influence_is_positive_exactly_on_the_retrieved_rows():
     kb, a, t, ids = _setup()
     loss_fn = ASKLoss(kb, k=4, use_coarse=False)
     infl = out_of_batch_influence(loss_fn, a, t, ids, outside=[kb.audio, kb.text])
-    know = loss_fn.retrieve(a, t, ids)  # rows actually retrieved
+    know = loss_fn.retrieve(a, t, ids)  # pairs actually retrieved, (B, k, 2, D)
     rows = set()
-    for m in ("audio", "text"):
-        hits = know[f"fine_{m}"].unsqueeze(2) == kb.embeddings(m).unsqueeze(0).unsqueeze(0)
+    for m, col in (("audio", 0), ("text", 1)):  # pairs retrieved by the audio / by the text
+        hits = know[f"fine_{m}"][:, :, col].unsqueeze(2) == kb.embeddings(m)[None, None]
         rows |= set(hits.all(-1).nonzero()[:, 2].tolist())
     assert set((infl > 0).nonzero().flatten().tolist()) == rows
     assert (
         out_of_batch_influence(loss_fn, a, t, ids, outside=[kb.audio, kb.text], reduction="sum") > 0
     )
-    # no knowledge injected -> back to the in-batch bottleneck
-    no_inject = ASKLoss(kb, k=4, injection_ratio=0.0)
-    assert out_of_batch_influence(no_inject, a, t, ids, outside=kb.audio, reduction="sum") == 0
+    both = [kb.audio, kb.text]
+    # Eq. 8 alone (no potentials) and Eq. 12 alone (no injection) each reach the bank ...
+    no_potentials = ASKLoss(kb, k=4, use_coarse=False, lambda_fine=0.0, lambda_coarse=0.0)
+    assert out_of_batch_influence(no_potentials, a, t, ids, outside=both, reduction="sum") > 0
+    no_inject = ASKLoss(kb, k=4, use_coarse=False, injection_ratio=0.0)
+    assert out_of_batch_influence(no_inject, a, t, ids, outside=both, reduction="sum") > 0
+    # ... without both, back to the in-batch bottleneck
+    neither = ASKLoss(
+        kb, k=4, use_coarse=False, injection_ratio=0.0, lambda_fine=0.0, lambda_coarse=0.0
+    )
+    assert out_of_batch_influence(neither, a, t, ids, outside=both, reduction="sum") == 0
 
 
 def test_influence_equals_manual_gradient_norms_and_restores_state():
     kb, a, t, ids = _setup(seed=1)
-    loss_fn = ASKLoss(kb, k=3)
+    loss_fn = ASKLoss(kb, k=3, k_coarse=2)
     got = out_of_batch_influence(loss_fn, a, t, ids=ids, outside=(kb.audio, kb.text))
     assert not kb.audio.requires_grad and not kb.text.requires_grad
     assert a.grad is None  # parameters' .grad untouched

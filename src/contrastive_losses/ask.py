@@ -1,19 +1,26 @@
-r"""ASK: knowledge injection, reliability weighting and Sinkhorn re-alignment.
+r"""ASK: knowledge injection, reliability-aware potentials and Sinkhorn re-alignment.
 
 Guo et al., "ASK: Adaptive Self-improving Knowledge Framework for Audio Text Retrieval"
-(arXiv 2512.19703). :func:`ask` is the pure function on tensors (the knowledge already
-retrieved); :class:`ASKLoss` holds a :class:`~contrastive_losses.bank.KnowledgeBank`,
-retrieves from it and calls :func:`ask`.
+(arXiv 2512.19703), Sections 4.2-4.5 and Appendix C. :func:`ask` is the pure function on
+tensors (the knowledge already retrieved); :class:`ASKLoss` holds a
+:class:`~contrastive_losses.bank.KnowledgeBank`, retrieves from it and calls :func:`ask`.
 
 Notation (per sample :math:`i` of a batch of :math:`B`, granularity
 :math:`g \in \{\text{fine}, \text{coarse}\}`): :math:`u_i, v_i` the L2-normalised audio
-and text embeddings; :math:`\kappa^{a,g}_i` the mean of the knowledge rows retrieved for
-the audio (its ``K`` nearest bank audios, or nearest audio prototypes), and
-:math:`\kappa^{t,g}_i` the same for the text.
+and text embeddings. The knowledge of a granularity is two sets of bank *pairs*:
+
+* retrieved by the audio (audio-audio similarity to :math:`u_i`): the audios
+  :math:`\mathcal U_r = \{u^k_l\}` and their captions :math:`\{v^{k'}_l\}`;
+* retrieved by the text (text-text similarity to :math:`v_i`): the texts
+  :math:`\{v^k_j\}` and their audios :math:`\{u^{k'}_j\}`.
+
+Fine pairs are bank entries, coarse pairs are prototypes (the m-th audio and m-th text
+prototype are partners).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +35,7 @@ from ._checks import (
     check_non_negative,
     check_positive,
     check_reduction,
+    check_row_norms,
     check_same_device_dtype,
     check_same_size,
 )
@@ -37,105 +45,157 @@ from .ot import sinkhorn
 
 __all__ = ["ASKLoss", "ask", "inject", "reliability"]
 
-
-def _nt_xent_rows(logits: Tensor) -> Tensor:
-    """Per-row cross-entropy with the diagonal as target, ``(B, B) -> (B,)``."""
-    target = torch.arange(logits.shape[0], device=logits.device)
-    return F.cross_entropy(logits, target, reduction="none")
+GRANULARITIES = ("fine", "coarse")
+DIRECTIONS = ("t2a", "a2t")
 
 
-def reliability(knowledge_audio: Tensor, knowledge_text: Tensor, temperature: float) -> Tensor:
-    r"""Cross-modal consistency :math:`\Psi_i \in (0, 1]` of the knowledge of each pair.
-
-    The knowledge retrieved for audio :math:`i` and for text :math:`i` should describe the
-    same thing; :math:`\Psi_i` is the geometric mean of the probabilities that they pick
-    each other out of the batch (ASK Eq. 10-12, our reading; see the module notes):
-
-    .. math::
-
-        r_{ij} = \frac{\langle \bar\kappa^a_i, \bar\kappa^t_j \rangle}{\tau},
-        \qquad
-        \Psi_i = \left(\frac{e^{r_{ii}}}{\sum_j e^{r_{ij}}}
-                       \cdot \frac{e^{r_{ii}}}{\sum_j e^{r_{ji}}}\right)^{1/2},
-
-    with :math:`\bar\kappa = \kappa / \lVert\kappa\rVert`. Computed without gradient.
-
-    Args:
-        knowledge_audio: :math:`\kappa^a`, ``(B, D)``.
-        knowledge_text: :math:`\kappa^t`, ``(B, D)``.
-        temperature: :math:`\tau`.
-
-    Shape:
-        - knowledge_audio, knowledge_text: ``(B, D)``
-        - output: ``(B,)``
-
-    Example:
-        >>> import torch
-        >>> from contrastive_losses.ask import reliability
-        >>> k = torch.eye(3)
-        >>> psi = reliability(k, k, temperature=0.07)
-        >>> bool((psi > 0.99).all()), bool((reliability(k, k.roll(1, 0), 0.07) < 0.01).all())
-        (True, True)
-    """
-    with torch.no_grad():
-        ka = F.normalize(knowledge_audio.detach(), dim=-1)
-        kt = F.normalize(knowledge_text.detach(), dim=-1)
-        r = ka @ kt.T / temperature  # (B, B)
-        log_psi = 0.5 * (r.log_softmax(dim=1).diagonal() + r.log_softmax(dim=0).diagonal())
-        return log_psi.exp()
+def _check_ratio(value: float, name: str) -> None:
+    check_non_negative(value, name)
+    if value > 1:
+        raise ValueError(f"{name}: must be in [0, 1], got {value}")
 
 
-def inject(
-    x: Tensor, knowledge: list[Tensor], weights: list[Tensor], injection_ratio: float
-) -> Tensor:
-    r"""Mix each embedding with its knowledge, each source weighted by its reliability.
+def _check_bool(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def _check_hparams(
+    injection_ratio: float,
+    ot_weight: float,
+    lambda_fine: float,
+    lambda_coarse: float,
+    epsilon: float,
+    temperature: float,
+    sinkhorn_iters: int,
+    detach_plan: bool,
+    normalize: bool,
+    reduction: str,
+) -> None:
+    """Hyperparameters shared by :func:`ask` and :class:`ASKLoss`; errors name the argument."""
+    _check_ratio(injection_ratio, "injection_ratio")
+    _check_ratio(ot_weight, "ot_weight")
+    check_non_negative(lambda_fine, "lambda_fine")
+    check_non_negative(lambda_coarse, "lambda_coarse")
+    check_positive(epsilon, "epsilon")
+    check_positive(temperature, "temperature")
+    check_int(sinkhorn_iters, "sinkhorn_iters", 1)
+    _check_bool(detach_plan, "detach_plan")
+    _check_bool(normalize, "normalize")
+    check_reduction(reduction)
+
+
+def inject(x: Tensor, knowledge: Tensor, injection_ratio: float) -> Tensor:
+    r"""Knowledge injection (Eq. 8): interpolate each embedding with the mean of its knowledge.
 
     .. math::
 
-        x'_i = \operatorname{normalize}\!\Big(x_i + \frac{\rho}{G}\sum_{g=1}^{G}
-               \Psi^g_i\,(\kappa^g_i - x_i)\Big)
+        x'_i = (1 - \rho)\, x_i + \rho\, \frac1K \sum_{l=1}^{K} \kappa_{il}
 
-    i.e. :math:`\operatorname{normalize}((1-\rho)x_i + \rho\,\kappa_i)` for one fully
-    reliable source (:math:`\rho` = share of knowledge, DESIGN §3).
+    with :math:`\rho` the share of knowledge (Eq. 8 as printed puts :math:`\rho` on
+    :math:`x_i`; Appendix A, Eq. 19, on the knowledge — see the docs). No re-normalisation.
 
     Args:
-        x: normalised embeddings ``(B, D)``.
-        knowledge: ``G`` tensors :math:`\kappa^g`, each ``(B, D)``.
-        weights: ``G`` reliability vectors :math:`\Psi^g`, each ``(B,)``.
-        injection_ratio: :math:`\rho`.
+        x: embeddings ``(B, D)``.
+        knowledge: the rows retrieved for each embedding, ``(B, K, D)``.
+        injection_ratio: :math:`\rho \in [0, 1]`.
 
     Shape:
-        - x: ``(B, D)``; output ``(B, D)``
+        - x: ``(B, D)``; knowledge: ``(B, K, D)``; output: ``(B, D)``
 
     Example:
         >>> import torch
         >>> from contrastive_losses.ask import inject
-        >>> x, kn = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
-        >>> inject(x, [kn], [torch.ones(1)], injection_ratio=0.5)
-        tensor([[0.7071, 0.7071]])
+        >>> x, kn = torch.tensor([[1.0, 0.0]]), torch.tensor([[[0.0, 1.0], [0.0, 3.0]]])
+        >>> inject(x, kn, injection_ratio=0.5)
+        tensor([[0.5000, 1.0000]])
     """
-    if not knowledge:
-        return x
-    delta = sum(w.unsqueeze(-1) * (kn - x) for kn, w in zip(knowledge, weights, strict=True))
-    return F.normalize(x + (injection_ratio / len(knowledge)) * delta, dim=-1)
+    return (1.0 - injection_ratio) * x + injection_ratio * knowledge.mean(dim=1)
+
+
+def reliability(anchor: Tensor, partners: Tensor, retrieved: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Reliability weights (Eq. 10-11) and log knowledge potential (Eq. 12) of one direction.
+
+    Text-to-audio: ``anchor`` = :math:`u_i`, ``partners`` = the audios
+    :math:`u^{k'}_j` of the pairs retrieved by the text, ``retrieved`` = the audios
+    :math:`\mathcal U_r = \{u^k_l\}` retrieved by the audio:
+
+    .. math::
+
+        \bar s_j = \frac1K \sum_{l} \langle u^{k'}_j, u^k_l \rangle,\qquad
+        w_j = \operatorname{softmax}_j(\bar s),\qquad
+        \Psi_i = \sum_j w_j\, e^{\langle u_i, u^{k'}_j \rangle}.
+
+    Audio-to-text is the same call with :math:`v_i`, the captions of the audio-retrieved
+    pairs and the text-retrieved texts. The weights are constants (no gradient);
+    :math:`\log\Psi_i` is differentiable in ``anchor`` and ``partners`` and computed as a
+    log-sum-exp, so it never overflows. No temperature, as printed.
+
+    Args:
+        anchor: :math:`u_i` ``(B, D)``.
+        partners: :math:`u^{k'}_j` ``(B, K, D)``.
+        retrieved: :math:`u^k_l` ``(B, L, D)``.
+
+    Returns:
+        ``(log_psi, weights)``: :math:`\log\Psi_i` ``(B,)`` and :math:`w` ``(B, K)``.
+
+    Shape:
+        - anchor: ``(B, D)``; partners: ``(B, K, D)``; retrieved: ``(B, L, D)``
+        - output: ``(B,)`` and ``(B, K)``
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.ask import reliability
+        >>> u = torch.tensor([[1.0, 0.0]])
+        >>> partners = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])   # agrees / disagrees
+        >>> retrieved = torch.tensor([[[1.0, 0.0]]])
+        >>> log_psi, w = reliability(u, partners, retrieved)
+        >>> w
+        tensor([[0.7311, 0.2689]])
+    """
+    with torch.no_grad():
+        # mean_l <u'_j, u_l> = <u'_j, mean_l u_l>: one (B, K) product instead of (B, K, L)
+        s = torch.einsum("bkd,bd->bk", partners.detach(), retrieved.detach().mean(dim=1))
+        log_w = s.log_softmax(dim=-1)  # (B, K)
+    sims = torch.einsum("bd,bkd->bk", anchor, partners)  # (B, K)
+    return (log_w + sims).logsumexp(dim=-1), log_w.exp()
 
 
 def _check_knowledge(t: Tensor | None, name: str, ref: Tensor) -> Tensor | None:
     if t is None:
         return None
-    t = check_embeddings(t, name, ndim=3, dims="(B, K, D)", min_batch=1)
+    t = check_embeddings(t, name, ndim=4, dims="(B, K, 2, D)", min_batch=1, check_values=False)
+    # Knowledge is never normalised here, so zero rows are fine; one norm pass finds NaN/Inf.
+    check_row_norms(t, name, nonzero=False)
     check_same_size(ref, "audio", t, name, 0, "batch size B")
     check_same_size(ref, "audio", t, name, -1, "embedding dim D")
     if t.shape[1] == 0:
-        raise ValueError(f"{name}: K = 0 knowledge rows (shape {_shape(t)})")
+        raise ValueError(f"{name}: K = 0 knowledge pairs (shape {_shape(t)})")
+    if t.shape[2] != 2:
+        raise ValueError(
+            f"{name}: expected (audio, text) pairs on dim 2, shape (B, K, 2, D), got {_shape(t)}"
+        )
+    if t.device != ref.device:
+        raise ValueError(f"{name}: on device {t.device} but audio is on {ref.device}")
     return t
+
+
+def _plans(plan: Tensor | None, n: int, b: int) -> list[Tensor | None]:
+    """One ``(B, B)`` plan per granularity from ``plan`` of shape ``(B, B)`` or ``(n, B, B)``."""
+    if plan is None:
+        return [None] * n
+    if tuple(plan.shape) == (b, b):
+        return [plan] * n
+    if tuple(plan.shape) == (n, b, b):
+        return list(plan.unbind(0))
+    raise ValueError(f"plan: expected shape ({b}, {b}) or ({n}, {b}, {b}), got {_shape(plan)}")
 
 
 def ask(
     audio: Tensor,
     text: Tensor,
-    fine_audio: Tensor | None,
-    fine_text: Tensor | None,
+    fine_audio: Tensor,
+    fine_text: Tensor,
     coarse_audio: Tensor | None = None,
     coarse_text: Tensor | None = None,
     *,
@@ -152,65 +212,79 @@ def ask(
     reduction: str = "mean",
     return_terms: bool = False,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-    r"""ASK loss on one batch, given the knowledge retrieved for it.
+    r"""ASK loss on one batch (Eq. 8-18), given the knowledge pairs retrieved for it.
 
-    1. **Reliability** (Eq. 10-12) per granularity, :func:`reliability`:
-       :math:`\Psi^g_i` from :math:`\kappa^{a,g}_i = \frac1K\sum_k` ``fine_audio[i, k]``
-       and :math:`\kappa^{t,g}_i`.
-    2. **Injection** (Eq. 8-9), :func:`inject`: :math:`u' = \text{inject}(u, \kappa^{a,\cdot},
-       \Psi^\cdot)`, :math:`v' = \text{inject}(v, \kappa^{t,\cdot}, \Psi^\cdot)`.
-    3. **Re-alignment** (Eq. 14): :math:`C = u' v'^\top`,
-       :math:`Q = \text{sinkhorn}(C, \epsilon)` (uniform marginals, detached by default),
-       :math:`A = (1-\beta) I + \beta B Q` (rows sum to 1) and
+    For each granularity :math:`g` present (fine, and coarse if given):
+
+    1. **Injection** (Eq. 8), :func:`inject`: one enhanced pair per granularity,
+       :math:`u'_{i,g} = (1-\rho)u_i + \rho\,\operatorname{mean}_l u^k_l` from the audios
+       retrieved by the audio, :math:`v'_{i,g}` likewise from the texts retrieved by the
+       text.
+    2. **Potentials** (Eq. 10-12, 16), :func:`reliability`:
+       :math:`F^{t\to a}_g = \frac1B\sum_i -\log\Psi^{t\to a}_{i,g}` and
+       :math:`F^{a\to t}_g` likewise; differentiable in :math:`u_i, v_i` (the weights
+       :math:`w` are constants). :math:`F` can be negative (:math:`\Psi > 1` whenever
+       the weighted similarities are positive).
+    3. **Re-alignment** (Eq. 14, App. C): :math:`S_g = u'_g v'^\top_g`,
+       :math:`Q_g = \text{sinkhorn}(S_g, \epsilon)` (uniform marginals, detached by default),
+       :math:`A_g = (1-\beta) I + \beta B Q_g` (rows sum to 1) and the logits
+       :math:`A_g S_g/\tau` (audio to text), :math:`A_g^\top S_g^\top/\tau` (text to audio).
+    4. **Loss** (Eq. 15, 17, 18): per direction the sum over granularities of the
+       cross-entropies with the diagonal as target, modulated by that direction's potentials:
 
        .. math::
 
-           S^{a \to t} = A\,\frac{C}{\tau}, \qquad S^{t \to a} = A^{\top} \frac{C^\top}{\tau}.
+           \mathcal L^*_{t\to a} = \big(1 + \lambda_f F^{t\to a}_{\text{fine}}
+               + \lambda_c F^{t\to a}_{\text{coarse}}\big)
+               \sum_g \mathrm{CE}\big(A_g^\top S_g^\top/\tau\big),
+           \qquad
+           \mathcal L = \tfrac12\big(\mathcal L^*_{t\to a} + \mathcal L^*_{a\to t}\big).
 
-    4. **NT-Xent** both ways (Eq. 15):
-       :math:`\ell_i = \tfrac12\big(\text{CE}(S^{a\to t}_{i\cdot}, i)
-       + \text{CE}(S^{t\to a}_{i\cdot}, i)\big)`.
-    5. **Potentials** (Eq. 16) :math:`F_g = \frac1B\sum_i -\log \Psi^g_i` and the
-       **modulated total** (Eq. 17-18)
-
-       .. math::
-
-           \mathcal{L} = \big(1 + \lambda_f F_{\text{fine}} + \lambda_c F_{\text{coarse}}\big)
-           \cdot \frac1B \sum_i \ell_i .
-
-    Reliabilities and potentials are weights, computed without gradient. A granularity
-    whose knowledge is ``None`` is skipped (its potential is 0). With no knowledge and
-    ``ot_weight=0`` this is the symmetric InfoNCE loss.
+    Without coarse knowledge only the fine terms remain. With ``injection_ratio=0``,
+    ``ot_weight=0``, ``lambda_fine=0`` and fine knowledge only this is the symmetric
+    InfoNCE loss. The arithmetic runs in float32 (or float64) whatever the input dtype;
+    the loss is returned in the input dtype.
 
     Args:
         audio: audio embeddings ``(B, D)``.
         text: text embeddings ``(B, D)``; pair ``i`` is ``(audio[i], text[i])``.
-        fine_audio: bank audio rows retrieved for each audio, ``(B, K, D)``, or ``None``.
-        fine_text: bank text rows retrieved for each text, ``(B, K, D)``, or ``None``.
-        coarse_audio: audio prototypes retrieved for each audio, ``(B, Kc, D)``, or ``None``.
-        coarse_text: text prototypes retrieved for each text, ``(B, Kc, D)``, or ``None``.
-        injection_ratio: :math:`\rho`, share of knowledge in the injected embedding.
-        ot_weight: :math:`\beta`, share of the transported similarities.
-        lambda_fine: :math:`\lambda_f`; lambda_coarse: :math:`\lambda_c`.
+        fine_audio: the ``K`` bank pairs retrieved by audio-audio similarity,
+            ``(B, K, 2, D)``: ``[..., 0, :]`` the bank audios :math:`u^k_l`,
+            ``[..., 1, :]`` their captions :math:`v^{k'}_l`.
+        fine_text: the ``K`` bank pairs retrieved by text-text similarity,
+            ``(B, K, 2, D)``: ``[..., 0, :]`` the audio partners :math:`u^{k'}_j`,
+            ``[..., 1, :]`` the bank texts :math:`v^k_j`.
+        coarse_audio, coarse_text: the same with prototype pairs, ``(B, Kc, 2, D)``, or
+            ``None`` (both).
+        injection_ratio: :math:`\rho \in [0, 1]`, share of knowledge in the injected embedding.
+        ot_weight: :math:`\beta \in [0, 1]`, share of the transported similarities.
+        lambda_fine: :math:`\lambda_f \ge 0`; lambda_coarse: :math:`\lambda_c \ge 0`.
         epsilon: Sinkhorn regularisation, in cosine-similarity units.
-        temperature: :math:`\tau` of the logits and of the reliability.
+        temperature: :math:`\tau` of the logits (the potentials have none, as printed).
         sinkhorn_iters: Sinkhorn iterations.
-        detach_plan: treat :math:`Q` as a constant (no gradient through the iterations).
-        plan: use this ``(B, B)`` plan instead of computing it (tests, diagnostics).
-        normalize: L2-normalise ``audio`` and ``text`` first.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-sample modulated
-            :math:`\ell_i`).
+        detach_plan: treat :math:`Q_g` as a constant (no gradient through the iterations).
+        plan: use this plan instead of computing it (tests, diagnostics): ``(B, B)`` for
+            every granularity, or ``(G, B, B)``, fine first.
+        normalize: L2-normalise ``audio`` and ``text`` first (knowledge is used as given;
+            a :class:`~contrastive_losses.bank.KnowledgeBank` stores unit rows).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``: per sample,
+            :math:`\tfrac12\big(m^{t\to a}\sum_g \mathrm{CE}^{t\to a}_{g,i}
+            + m^{a\to t}\sum_g \mathrm{CE}^{a\to t}_{g,i}\big)` with the batch-level
+            modulations :math:`m`; its mean is the loss.
         return_terms: also return a dict of detached parts.
 
     Returns:
-        The loss, or ``(loss, terms)`` with ``loss_a2t``, ``loss_t2a``, ``contrastive``
-        (unmodulated mean), ``potential_fine``, ``potential_coarse``, ``modulation``,
-        ``reliability_fine``, ``reliability_coarse`` (batch means; NaN if absent) and
-        ``reliability`` (mean over the granularities present).
+        The loss, or ``(loss, terms)`` with batch means ``ce_{g}_{d}`` (each cross-entropy,
+        ``g`` in fine/coarse, ``d`` in t2a/a2t), ``loss_t2a``, ``loss_a2t`` (their sums over
+        ``g``), ``contrastive`` (the unmodulated mean of the two), ``potential_{g}_{d}``
+        (:math:`F`), ``modulation_t2a``, ``modulation_a2t`` and ``weight_entropy_{g}``
+        (mean entropy of the reliability weights :math:`w`, both directions). An absent
+        coarse granularity contributes ``0`` to its ``ce`` and ``potential`` terms; its
+        ``weight_entropy`` is NaN.
 
     Shape:
         - audio, text: ``(B, D)``
-        - fine_audio, fine_text: ``(B, K, D)``; coarse_audio, coarse_text: ``(B, Kc, D)``
+        - fine_audio, fine_text: ``(B, K, 2, D)``; coarse_audio, coarse_text: ``(B, Kc, 2, D)``
         - output: scalar, or ``(B,)`` with ``reduction="none"``
 
     Example:
@@ -218,110 +292,136 @@ def ask(
         >>> from contrastive_losses.ask import ask
         >>> g = torch.Generator().manual_seed(0)
         >>> a, t = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
-        >>> fa, ft = torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, 8, generator=g)
+        >>> fa, ft = torch.randn(4, 3, 2, 8, generator=g), torch.randn(4, 3, 2, 8, generator=g)
         >>> loss, terms = ask(a, t, fa, ft, return_terms=True)
-        >>> loss.shape, sorted(terms)[:3]
-        (torch.Size([]), ['contrastive', 'loss_a2t', 'loss_t2a'])
+        >>> loss.shape, float(terms["ce_coarse_t2a"])
+        (torch.Size([]), 0.0)
     """
     audio = check_embeddings(audio, "audio", ndim=2, dims="(B, D)")
     text = check_embeddings(text, "text", ndim=2, dims="(B, D)")
     check_same_size(audio, "audio", text, "text", 0, "batch size B")
     check_same_size(audio, "audio", text, "text", 1, "embedding dim D")
     check_same_device_dtype([(audio, "audio"), (text, "text")])
-    check_non_negative(injection_ratio, "injection_ratio")
-    if injection_ratio > 1:
-        raise ValueError(f"injection_ratio: must be in [0, 1], got {injection_ratio}")
-    check_non_negative(ot_weight, "ot_weight")
-    if ot_weight > 1:
-        raise ValueError(f"ot_weight: must be in [0, 1], got {ot_weight}")
-    check_non_negative(lambda_fine, "lambda_fine")
-    check_non_negative(lambda_coarse, "lambda_coarse")
-    check_positive(temperature, "temperature")
-    check_reduction(reduction)
+    _check_hparams(
+        injection_ratio, ot_weight, lambda_fine, lambda_coarse, epsilon, temperature,
+        sinkhorn_iters, detach_plan, normalize, reduction,
+    )  # fmt: skip
+    if fine_audio is None or fine_text is None:
+        raise ValueError(
+            "fine_audio, fine_text: both are required (the fine granularity is always used); "
+            f"got {type(fine_audio).__name__} and {type(fine_text).__name__}"
+        )
+    if (coarse_audio is None) != (coarse_text is None):
+        raise ValueError(
+            f"coarse_audio, coarse_text: pass both or neither (got "
+            f"{type(coarse_audio).__name__} and {type(coarse_text).__name__})"
+        )
+    # float16/bfloat16 inputs: all arithmetic in float32 (exp, log-sum-exp, Sinkhorn).
+    cdt = torch.promote_types(audio.dtype, torch.float32)
     sources: dict[str, tuple[Tensor, Tensor]] = {}
     for g, ka, kt in (("fine", fine_audio, fine_text), ("coarse", coarse_audio, coarse_text)):
-        if (ka is None) != (kt is None):
-            raise ValueError(
-                f"{g}_audio, {g}_text: pass both or neither (got {type(ka).__name__} "
-                f"and {type(kt).__name__})"
-            )
         ka = _check_knowledge(ka, f"{g}_audio", audio)
         kt = _check_knowledge(kt, f"{g}_text", audio)
         if ka is not None and kt is not None:
-            sources[g] = (ka.mean(dim=1).to(audio.dtype), kt.mean(dim=1).to(audio.dtype))  # (B, D)
+            sources[g] = (ka.to(cdt), kt.to(cdt))
 
     b = audio.shape[0]
-    u = F.normalize(audio, dim=-1) if normalize else audio
-    v = F.normalize(text, dim=-1) if normalize else text
-    psi = {g: reliability(ka, kt, temperature) for g, (ka, kt) in sources.items()}  # (B,)
-    potentials = {g: -p.log().mean() for g, p in psi.items()}
-    u_inj = inject(u, [ka for ka, _ in sources.values()], list(psi.values()), injection_ratio)
-    v_inj = inject(v, [kt for _, kt in sources.values()], list(psi.values()), injection_ratio)
-
-    cos = u_inj @ v_inj.T  # (B, B)
-    if plan is None:
-        if ot_weight > 0:
-            plan = sinkhorn(cos.detach() if detach_plan else cos, epsilon, max_iter=sinkhorn_iters)
+    u, v = audio.to(cdt), text.to(cdt)
+    if normalize:
+        u, v = F.normalize(u, dim=-1), F.normalize(v, dim=-1)
+    plans = _plans(plan, len(sources), b)
+    eye = torch.eye(b, dtype=cdt, device=u.device)
+    target = torch.arange(b, device=u.device)
+    ce: dict[tuple[str, str], Tensor] = {}  # (granularity, direction) -> (B,)
+    potential: dict[tuple[str, str], Tensor] = {}  # -> scalar F
+    entropy: dict[str, Tensor] = {}
+    for (g, (ka, kt)), q in zip(sources.items(), plans, strict=True):
+        u_ret, v_partner = ka[:, :, 0], ka[:, :, 1]  # retrieved by the audio
+        u_partner, v_ret = kt[:, :, 0], kt[:, :, 1]  # retrieved by the text
+        log_psi_t2a, w_t2a = reliability(u, u_partner, u_ret)  # Eq. 10-12
+        log_psi_a2t, w_a2t = reliability(v, v_partner, v_ret)
+        potential[g, "t2a"] = -log_psi_t2a.mean()  # Eq. 16
+        potential[g, "a2t"] = -log_psi_a2t.mean()
+        entropy[g] = 0.5 * (
+            torch.special.entr(w_t2a).sum(-1).mean() + torch.special.entr(w_a2t).sum(-1).mean()
+        )
+        sim = inject(u, u_ret, injection_ratio) @ inject(v, v_ret, injection_ratio).T  # S_g
+        if q is None and ot_weight > 0:
+            q = sinkhorn(sim.detach() if detach_plan else sim, epsilon, max_iter=sinkhorn_iters)
+        if q is None:
+            mix = eye
         else:
-            plan = torch.zeros_like(cos)
-    elif tuple(plan.shape) != (b, b):
-        raise ValueError(f"plan: expected shape ({b}, {b}), got {_shape(plan)}")
-    eye = torch.eye(b, dtype=cos.dtype, device=cos.device)
-    mix = (1.0 - ot_weight) * eye + ot_weight * b * plan  # (B, B), rows sum to 1
-    logits = cos / temperature
-    loss_a2t = _nt_xent_rows(mix @ logits)  # (B,)
-    loss_t2a = _nt_xent_rows(mix.T @ logits.T)  # (B,)
-    per_sample = 0.5 * (loss_a2t + loss_t2a)
-    zero = cos.new_zeros(())
-    modulation = (
-        1.0
-        + lambda_fine * potentials.get("fine", zero)
-        + lambda_coarse * potentials.get("coarse", zero)
+            mix = (1.0 - ot_weight) * eye + (ot_weight * b) * q.to(cdt)  # Eq. 14, rows sum to 1
+        ce[g, "a2t"] = F.cross_entropy((mix @ sim) / temperature, target, reduction="none")
+        ce[g, "t2a"] = F.cross_entropy((sim @ mix).T / temperature, target, reduction="none")
+
+    zero = u.new_zeros(())
+    lambdas = {"fine": lambda_fine, "coarse": lambda_coarse}
+    per_dir: dict[str, Tensor] = {}
+    modulation: dict[str, Tensor] = {}
+    for d in DIRECTIONS:
+        per_dir[d] = sum(ce[g, d] for g in sources)  # type: ignore[assignment]  # Eq. 15
+        modulation[d] = 1.0 + sum((lambdas[g] * potential[g, d] for g in sources), zero)  # Eq. 17
+    per_sample = 0.5 * (
+        modulation["t2a"] * per_dir["t2a"] + modulation["a2t"] * per_dir["a2t"]
+    )  # Eq. 18
+    out = (
+        per_sample.mean()
+        if reduction == "mean"
+        else per_sample.sum()
+        if reduction == "sum"
+        else per_sample
     )
-    out = modulation * per_sample
-    loss = out.mean() if reduction == "mean" else out.sum() if reduction == "sum" else out
+    loss = out.to(audio.dtype)
     if not return_terms:
         return loss
-    nan = cos.new_full((), float("nan"))
-    terms = {
-        "loss_a2t": loss_a2t.mean(),
-        "loss_t2a": loss_t2a.mean(),
-        "contrastive": per_sample.mean(),
-        "potential_fine": potentials.get("fine", zero),
-        "potential_coarse": potentials.get("coarse", zero),
-        "modulation": modulation,
-        "reliability_fine": psi["fine"].mean() if "fine" in psi else nan,
-        "reliability_coarse": psi["coarse"].mean() if "coarse" in psi else nan,
-        "reliability": torch.stack([p.mean() for p in psi.values()]).mean() if psi else nan,
-    }
+    nan = u.new_full((), float("nan"))
+    terms: dict[str, Tensor] = {}
+    for g in GRANULARITIES:
+        for d in DIRECTIONS:
+            terms[f"ce_{g}_{d}"] = ce[g, d].mean() if (g, d) in ce else zero
+    for d in DIRECTIONS:
+        terms[f"loss_{d}"] = per_dir[d].mean()
+    terms["contrastive"] = 0.5 * (terms["loss_t2a"] + terms["loss_a2t"])
+    for g in GRANULARITIES:
+        for d in DIRECTIONS:
+            terms[f"potential_{g}_{d}"] = potential.get((g, d), zero)
+    for d in DIRECTIONS:
+        terms[f"modulation_{d}"] = modulation[d]
+    for g in GRANULARITIES:
+        terms[f"weight_entropy_{g}"] = entropy.get(g, nan)
     return loss, {k: t.detach() for k, t in terms.items()}
 
 
 class ASKLoss(nn.Module):
     r"""ASK loss with retrieval from a :class:`~contrastive_losses.bank.KnowledgeBank`.
 
-    For each batch: normalise, retrieve the ``k`` nearest bank audios of each audio and
-    the ``k`` nearest bank texts of each text (rows with the sample's own id excluded),
-    the ``k_coarse`` nearest prototypes of each, and evaluate :func:`ask`:
+    For each batch: normalise; for each audio the ``k`` bank pairs whose audio is nearest
+    to it, for each text the ``k`` pairs whose text is nearest (rows with the sample's own
+    id excluded); the same with the ``k_coarse`` nearest prototype pairs; then :func:`ask`
+    (Eq. 8-18):
 
     .. math::
 
-        \mathcal{L} = \big(1 + \lambda_f F_{\text{fine}} + \lambda_c F_{\text{coarse}}\big)
-        \cdot \frac{1}{2B}\sum_i \Big[\text{CE}\big(((1-\beta)I + \beta BQ)\,S\big)_{i}
-        + \text{CE}\big(((1-\beta)I + \beta BQ)^{\top} S^{\top}\big)_{i}\Big]
+        \mathcal{L} = \tfrac12\sum_{d \in \{t\to a,\, a\to t\}}
+        \big(1 + \lambda_f F^{d}_{\text{fine}} + \lambda_c F^{d}_{\text{coarse}}\big)
+        \sum_{g} \mathrm{CE}^{d}\big(((1-\beta)I + \beta BQ_g)\,S_g / \tau\big)
 
-    with :math:`S` the similarities of the knowledge-injected embeddings. Retrieval runs
-    without gradient; the knowledge is a constant for the encoders. The bank is held by
-    reference (not a submodule, not in ``state_dict``); refresh it with
-    :meth:`KnowledgeBank.refresh` every ``bank.refresh_every`` epochs.
+    with :math:`S_g` the similarities of the granularity's knowledge-injected embeddings
+    and :math:`F^d_g` its potentials. Retrieval runs without gradient; the knowledge is a
+    constant for the encoders. The bank is held by reference (not a submodule, not in
+    ``state_dict``); refresh it with :meth:`KnowledgeBank.refresh` every
+    ``bank.refresh_every`` epochs. Every hyperparameter is validated here, at construction.
 
     Args:
-        bank: a built :class:`KnowledgeBank` whose ``dim`` matches the embeddings.
+        bank: a :class:`KnowledgeBank` whose ``dim`` matches the embeddings.
         k: fine neighbours per sample (ASK: 10).
-        k_coarse: prototypes per sample.
         injection_ratio: see :func:`ask`; likewise ``ot_weight``, ``lambda_fine``,
             ``lambda_coarse``, ``epsilon``, ``temperature``, ``sinkhorn_iters``,
             ``detach_plan``, ``normalize`` and ``reduction``.
+        k_coarse: prototypes per sample (ASK: "an identical procedure", so 10). If the
+            bank built fewer prototypes (k-means drops empty clusters), all of them are
+            used, with a warning.
         use_coarse: use the prototypes (the bank must have some).
         gather: all-gather across ranks (``None``: when ``torch.distributed`` runs with
             more than one rank). Every rank then evaluates the loss of the global batch —
@@ -338,7 +438,7 @@ class ASKLoss(nn.Module):
         >>> from contrastive_losses.ask import ASKLoss
         >>> from contrastive_losses.bank import KnowledgeBank
         >>> g = torch.Generator().manual_seed(0)
-        >>> kb = KnowledgeBank(8, backend="torch", num_prototypes=4)
+        >>> kb = KnowledgeBank(8, backend="torch", num_prototypes=12)
         >>> kb = kb.build(torch.randn(50, 8, generator=g), torch.randn(50, 8, generator=g),
         ...               torch.arange(50))
         >>> loss_fn = ASKLoss(kb, k=5)
@@ -359,7 +459,7 @@ class ASKLoss(nn.Module):
         epsilon: float = 0.05,
         temperature: float = 0.07,
         *,
-        k_coarse: int = 1,
+        k_coarse: int = 10,
         use_coarse: bool = True,
         sinkhorn_iters: int = 50,
         detach_plan: bool = True,
@@ -370,11 +470,15 @@ class ASKLoss(nn.Module):
         super().__init__()
         if not isinstance(bank, KnowledgeBank):
             raise TypeError(f"bank: expected a KnowledgeBank, got {type(bank).__name__}")
-        for value, name in ((k, "k"), (k_coarse, "k_coarse"), (sinkhorn_iters, "sinkhorn_iters")):
-            check_int(value, name, 1)
-        check_positive(temperature, "temperature")
-        check_positive(epsilon, "epsilon")
-        check_reduction(reduction)
+        check_int(k, "k", 1)
+        check_int(k_coarse, "k_coarse", 1)
+        _check_bool(use_coarse, "use_coarse")
+        _check_hparams(
+            injection_ratio, ot_weight, lambda_fine, lambda_coarse, epsilon, temperature,
+            sinkhorn_iters, detach_plan, normalize, reduction,
+        )  # fmt: skip
+        if gather is not None:
+            _check_bool(gather, "gather")
         self.bank = bank
         self.k = k
         self.k_coarse = k_coarse
@@ -392,10 +496,12 @@ class ASKLoss(nn.Module):
         self.gather = gather
 
     def retrieve(self, audio: Tensor, text: Tensor, ids: Tensor) -> dict[str, Tensor | None]:
-        """The knowledge :func:`ask` takes: ``fine_audio``, ``fine_text`` ``(B, k, D)`` and
-        ``coarse_audio``, ``coarse_text`` ``(B, k_coarse, D)`` (or ``None``).
+        """The knowledge :func:`ask` takes: ``fine_audio``, ``fine_text`` ``(B, k, 2, D)``
+        and ``coarse_audio``, ``coarse_text`` ``(B, k_coarse, 2, D)`` (or ``None``).
 
-        The search runs without gradient; the rows are gathered from the bank tensors, so
+        ``fine_audio[i]`` are the (audio, text) bank pairs whose *audio* is nearest to
+        ``audio[i]``, ``fine_text[i]`` those whose *text* is nearest to ``text[i]``. The
+        search runs without gradient; the rows are gathered from the bank tensors, so
         they carry a gradient only if those tensors require one (see
         :func:`~contrastive_losses.diagnostics.out_of_batch_influence`)."""
         bank = self.bank
@@ -408,34 +514,41 @@ class ASKLoss(nn.Module):
                 f"audio: embedding dim {audio.shape[-1]} does not match the bank's dim {bank.dim} "
                 f"(shape {_shape(audio)})"
             )
-        if self.use_coarse and bank.num_built_prototypes == 0:
-            raise ValueError(
-                "bank: has no prototypes; build it with num_prototypes > 0 or pass use_coarse=False"
-            )
-        if self.use_coarse and self.k_coarse > bank.num_built_prototypes:
-            raise ValueError(
-                f"k_coarse: {self.k_coarse} exceeds the bank's "
-                f"{bank.num_built_prototypes} prototypes"
-            )
+        k_coarse = 0
+        if self.use_coarse:
+            n_protos = bank.num_built_prototypes
+            if n_protos == 0:
+                raise ValueError(
+                    "bank: has no prototypes; build it with num_prototypes > 0 or pass "
+                    "use_coarse=False"
+                )
+            k_coarse = min(self.k_coarse, n_protos)
+            if k_coarse < self.k_coarse:
+                warnings.warn(
+                    f"k_coarse: {self.k_coarse} exceeds the bank's {n_protos} prototypes; "
+                    f"using {n_protos}",
+                    stacklevel=2,
+                )
         out: dict[str, Tensor | None] = {"coarse_audio": None, "coarse_text": None}
         for modality, x in (("audio", audio), ("text", text)):
             with torch.no_grad():
                 q = F.normalize(x.detach().float(), dim=-1)
                 _, rows = bank.search(q, self.k, modality, exclude_ids=ids)  # (B, k)
-                protos = (
-                    bank.search_prototypes(q, self.k_coarse, modality)[1]
-                    if self.use_coarse
-                    else None
-                )
+                protos = bank.search_prototypes(q, k_coarse, modality)[1] if k_coarse else None
             # Gather outside no_grad: a bank tensor that requires grad (diagnostics) gets one.
-            table = bank.embeddings(modality)
-            out[f"fine_{modality}"] = table[rows.to(table.device)].to(
-                x.device, x.dtype
-            )  # (B, k, D)
+            out[f"fine_{modality}"] = self._pairs(bank.audio, bank.text, rows, x)
             if protos is not None:
-                ptable = bank.prototypes(modality)
-                out[f"coarse_{modality}"] = ptable[protos.to(ptable.device)].to(x.device, x.dtype)
+                out[f"coarse_{modality}"] = self._pairs(
+                    bank.prototype_audio, bank.prototype_text, protos, x
+                )
         return out
+
+    @staticmethod
+    def _pairs(audio_table: Tensor, text_table: Tensor, rows: Tensor, like: Tensor) -> Tensor:
+        """``(B, k, 2, D)``: the (audio, text) pairs at ``rows``, on ``like``'s device."""
+        rows = rows.to(audio_table.device)
+        pairs = torch.stack([audio_table[rows], text_table[rows]], dim=2)
+        return pairs.to(like.device)
 
     def forward(
         self, audio: Tensor, text: Tensor, ids: Tensor | None = None, return_terms: bool = False
