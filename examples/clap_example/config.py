@@ -52,6 +52,11 @@ def _bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
 
 
+def _add_flag(group: Any, name: str, default: bool, help: str) -> None:
+    """A boolean option: ``--x`` alone means true; ``--x false`` (or the config file) sets it."""
+    group.add_argument(name, type=_bool, nargs="?", const=True, default=default, help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="finetune_ced_sonar.py",
@@ -85,13 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="before training, decode every train/test clip and stop on unreadable, truncated "
         "or non-finite audio, naming the manifest line (header: open the files only; off: skip)",
     )
-    g.add_argument(
+    _add_flag(
+        g,
         "--contain-audio-paths",
-        type=_bool,
-        nargs="?",
-        const=True,
-        default=False,
-        help="every audio path must resolve (symlinks followed) inside --audio-root "
+        False,
+        "every audio path must resolve (symlinks followed) inside --audio-root "
         "(or the manifest's directory)",
     )
 
@@ -114,14 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory (or hub id) with the SONAR encoder's config.json, "
         "weights and NLLB tokenizer",
     )
-    g.add_argument(
-        "--sonar-weights",
-        type=_bool,
-        nargs="?",
-        const=True,
-        default=True,
-        help="false: random init from the directory's config (tests)",
-    )
+    _add_flag(g, "--sonar-weights", True, "false: random init from the directory's config (tests)")
     g.add_argument(
         "--sonar-config", type=_json_dict, default={}, help="M2M100Config overrides as JSON"
     )
@@ -143,14 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--svr-radius-init", type=float, default=None, help="initial radius (None: the loss's)"
     )
     g.add_argument("--temperature", type=float, default=0.07, help="softmax temperature")
-    g.add_argument(
-        "--learnable-temperature",
-        type=_bool,
-        nargs="?",
-        const=True,
-        default=False,
-        help="infonce/mlclap: learn the temperature",
-    )
+    _add_flag(g, "--learnable-temperature", False, "infonce/mlclap: learn the temperature")
     g.add_argument(
         "--kcl-negatives",
         default="per_language",
@@ -177,13 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "faiss", "torch"),
         help="ASK: kNN search backend",
     )
-    g.add_argument(
-        "--grad-cache",
-        type=_bool,
-        nargs="?",
-        const=True,
-        default=False,
-        help="GradCache the text tower (KCL: K*B captions in the memory of B)",
+    _add_flag(
+        g, "--grad-cache", False, "GradCache the text tower (KCL: K*B captions in the memory of B)"
     )
     g.add_argument(
         "--grad-cache-chunk",
@@ -236,13 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--resume", help="checkpoint directory, or 'auto' for the latest in --output-dir"
     )
-    g.add_argument(
+    _add_flag(
+        g,
         "--overwrite",
-        type=_bool,
-        nargs="?",
-        const=True,
-        default=False,
-        help="start afresh in a non-empty --output-dir, deleting the earlier run's logs and "
+        False,
+        "start afresh in a non-empty --output-dir, deleting the earlier run's logs and "
         "checkpoints (without it, or --resume, a non-empty directory is an error)",
     )
     g.add_argument("--save-every-steps", type=int, default=0, help="also checkpoint every N steps")
@@ -253,12 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="best checkpoint: 'mean_r1' (mean R@1 over languages and directions) or a "
         "flattened retrieval_report key",
     )
-    g.add_argument(
-        "--progress", type=_bool, nargs="?", const=True, default=True, help="tqdm progress bars"
-    )
-    g.add_argument(
-        "--plots", type=_bool, nargs="?", const=True, default=True, help="PNG curves at the end"
-    )
+    _add_flag(g, "--progress", True, "tqdm progress bars")
+    _add_flag(g, "--plots", True, "PNG curves at the end")
     return p
 
 

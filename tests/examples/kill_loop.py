@@ -125,23 +125,10 @@ runpy.run_path({script!r}, run_name="__main__")
 
 def make_config(workdir: Path) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "examples"))
-    from clap_example.synthetic import LANGUAGES3, make_dataset, make_sonar_dir
+    from clap_example.synthetic import make_dataset, make_sonar_dir, tiny_run_config
 
     data = make_dataset(workdir / "data", n_train=16, n_test=8)
-    sonar = make_sonar_dir(workdir / "sonar")
-    return {
-        "train_manifest": str(data["train"]),
-        "test_manifest": str(data["test"]),
-        "sonar": str(sonar),
-        "languages": list(LANGUAGES3),
-        "ced_config": {"embed_dim": 32, "depth": 2, "num_heads": 2},
-        "embed_dim": 32,
-        "batch_size": 4,
-        "eval_batch_size": 8,
-        "lr": 1e-3,
-        "max_seconds": 2.0,
-        **LOOP_SETTINGS,
-    }
+    return {**tiny_run_config(data, make_sonar_dir(workdir / "sonar")), **LOOP_SETTINGS}
 
 
 #: What the loop's runs use on top of the tiny models and data: dropout on (the RNG states

@@ -244,6 +244,19 @@ def test_kill_during_log_rewrite_on_resume_loses_no_rows(
 # --- 4. kill between the last step's checkpoint and the evaluation --------------------------------
 
 
+def die_then_resume(
+    out: Path, cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch, method: str, dying: Any
+) -> None:
+    """Run with ``Trainer.<method>`` replaced by ``dying(original, self)`` until it raises
+    SimulatedKill, then resume the output directory with the real method."""
+    original = getattr(Trainer, method)
+    monkeypatch.setattr(Trainer, method, lambda self: dying(original, self))
+    with pytest.raises(SimulatedKill):
+        run(out, cfg)
+    monkeypatch.setattr(Trainer, method, original)
+    run(out, cfg, resume="auto")
+
+
 @pytest.mark.parametrize("epoch", [1, 2])
 def test_resume_finishes_the_epoch_evaluation(
     tmp_path: Path,
@@ -254,19 +267,14 @@ def test_resume_finishes_the_epoch_evaluation(
 ) -> None:
     out = tmp_path / "run"
     calls = {"n": 0}
-    original = Trainer.evaluate
 
-    def dying_evaluate(self: Trainer) -> Any:
+    def dying_evaluate(original: Any, self: Trainer) -> Any:
         calls["n"] += 1
         if calls["n"] == epoch:
             raise SimulatedKill("evaluation")
         return original(self)
 
-    monkeypatch.setattr(Trainer, "evaluate", dying_evaluate)
-    with pytest.raises(SimulatedKill):
-        run(out, cfg)
-    monkeypatch.setattr(Trainer, "evaluate", original)
-    run(out, cfg, resume="auto")
+    die_then_resume(out, cfg, monkeypatch, "evaluate", dying_evaluate)
     assert_same_run(out, reference)
     assert [r["epoch"] for r in rows(out / "epoch_log.jsonl")] == [1, 2]
 
@@ -275,18 +283,13 @@ def test_kill_after_the_epoch_row_writes_no_duplicate_row(
     tmp_path: Path, cfg: dict[str, Any], reference: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "run"
-    original = Trainer.save_checkpoint
 
-    def dying_save(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+    def dying_save(original: Any, self: Trainer) -> Any:
         if self.history and self.step == 4 and self.epoch == 1:  # the epoch-end save
             raise SimulatedKill("epoch-end checkpoint")
-        return original(self, *args, **kwargs)
+        return original(self)
 
-    monkeypatch.setattr(Trainer, "save_checkpoint", dying_save)
-    with pytest.raises(SimulatedKill):
-        run(out, cfg)
-    monkeypatch.setattr(Trainer, "save_checkpoint", original)
-    run(out, cfg, resume="auto")
+    die_then_resume(out, cfg, monkeypatch, "save_checkpoint", dying_save)
     assert_same_run(out, reference)
 
 
