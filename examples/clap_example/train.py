@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -631,7 +632,11 @@ class Trainer:
                     tensor.copy_(old)
         self.nonfinite_in_row = self.nonfinite_in_row + 1 if counted else 0
         self.nonfinite_total += int(counted)
-        self.scheduler.step()  # the schedule follows the step count, skipped steps included
+        with warnings.catch_warnings():
+            # A skipped first step: the schedule follows the step count, skipped steps
+            # included, so stepping it before any optimizer.step() is what we want.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         if self.grad_cache and self.world > 1:
             with torch.no_grad():
                 for buf in self.trainable.buffers():

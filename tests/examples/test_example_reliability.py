@@ -592,3 +592,19 @@ def test_help_shows_every_default() -> None:
     ]
     missing = [o for o in options if "(default:" not in blocks.get(o, "")]
     assert not missing, missing
+
+
+def test_nan_guard_with_the_fp16_grad_scaler(
+    tmp_path: Path, cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under --amp fp16 the scaler skips overflowing steps itself (step 1 at the initial scale
+    2**16): not counted as non-finite. A NaN loss is skipped before the scaler sees it and
+    counted; the scaler keeps working (its next unscale_/step/update run)."""
+    nan_at(monkeypatch, {2})
+    out = tmp_path / "run"
+    run(out, cfg, epochs=1, test_manifest=None, amp="fp16", max_steps=3)
+    log = rows(out / "train_log.jsonl")
+    assert log[1]["skipped"] == 1 and [r["nonfinite_steps"] for r in log] == [0, 1, 1]
+    state = load_state(latest_dir(out))
+    assert state["scaler"]["scale"] > 0
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
