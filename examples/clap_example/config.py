@@ -16,6 +16,7 @@ from .sonar import PAPER_LANGUAGES, canonical_language
 
 LOSSES = ("infonce", "siglip", "mlclap", "kcl", "cacl", "ask")
 SVR_MODES = ("none", "static", "dynamic")
+CHECK_AUDIO = ("full", "header", "off")
 REQUIRED = ("train_manifest", "sonar", "output_dir")
 
 
@@ -51,6 +52,11 @@ def _bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
 
 
+def _add_flag(group: Any, name: str, default: bool, help: str) -> None:
+    """A boolean option: ``--x`` alone means true; ``--x false`` (or the config file) sets it."""
+    group.add_argument(name, type=_bool, nargs="?", const=True, default=default, help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="finetune_ced_sonar.py",
@@ -77,9 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="crop test clips (default: whole clips, chunked by the encoder)",
     )
     g.add_argument("--workers", type=int, default=0, help="DataLoader workers")
+    g.add_argument(
+        "--check-audio",
+        default="full",
+        choices=CHECK_AUDIO,
+        help="before training, decode every train/test clip and stop on unreadable, truncated "
+        "or non-finite audio, naming the manifest line (header: open the files only; off: skip)",
+    )
+    _add_flag(
+        g,
+        "--contain-audio-paths",
+        False,
+        "every audio path must resolve (symlinks followed) inside --audio-root "
+        "(or the manifest's directory)",
+    )
 
     g = p.add_argument_group("models")
-    g.add_argument("--ced-size", default="base", choices=("tiny", "mini", "small", "base"))
+    g.add_argument(
+        "--ced-size", default="base", choices=("tiny", "mini", "small", "base"), help="CED width"
+    )
     g.add_argument(
         "--ced-config",
         type=_json_dict,
@@ -95,34 +117,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory (or hub id) with the SONAR encoder's config.json, "
         "weights and NLLB tokenizer",
     )
-    g.add_argument(
-        "--sonar-weights",
-        type=_bool,
-        nargs="?",
-        const=True,
-        default=True,
-        help="false: random init from the directory's config (tests)",
-    )
+    _add_flag(g, "--sonar-weights", True, "false: random init from the directory's config (tests)")
     g.add_argument(
         "--sonar-config", type=_json_dict, default={}, help="M2M100Config overrides as JSON"
     )
-    g.add_argument("--text-max-length", type=int, default=128)
+    g.add_argument("--text-max-length", type=int, default=128, help="caption tokens kept")
     g.add_argument("--embed-dim", type=int, default=1024, help="projection output size")
     g.add_argument(
         "--mlclap-checkpoint", help="ML-CLAP pretrain.pt: initialises both towers and heads"
     )
 
     g = p.add_argument_group("loss")
-    g.add_argument("--loss", default="kcl", choices=LOSSES)
+    g.add_argument("--loss", default="kcl", choices=LOSSES, help="see examples/README.md")
     g.add_argument("--svr", default="none", choices=SVR_MODES, help="support vector regularisation")
-    g.add_argument("--svr-direction", default="bi", choices=("uni", "bi"))
-    g.add_argument("--svr-alpha", type=float, default=1.0)
-    g.add_argument("--svr-beta", type=float, default=0.01)
-    g.add_argument("--svr-radius-init", type=float, default=None)
-    g.add_argument("--temperature", type=float, default=0.07)
-    g.add_argument("--learnable-temperature", type=_bool, nargs="?", const=True, default=False)
     g.add_argument(
-        "--kcl-negatives", default="per_language", choices=("per_language", "all_languages")
+        "--svr-direction", default="bi", choices=("uni", "bi"), help="SVR: text->audio or both"
+    )
+    g.add_argument("--svr-alpha", type=float, default=1.0, help="SVR term weight")
+    g.add_argument("--svr-beta", type=float, default=0.01, help="SVR radius penalty weight")
+    g.add_argument(
+        "--svr-radius-init", type=float, default=None, help="initial radius (None: the loss's)"
+    )
+    g.add_argument("--temperature", type=float, default=0.07, help="softmax temperature")
+    _add_flag(g, "--learnable-temperature", False, "infonce/mlclap: learn the temperature")
+    g.add_argument(
+        "--kcl-negatives",
+        default="per_language",
+        choices=("per_language", "all_languages"),
+        help="KCL: negatives from the same language or from all",
     )
     g.add_argument(
         "--pair-language",
@@ -130,20 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="infonce/siglip/ask: caption language per clip, an NLLB code or 'random' "
         "(mlclap is always 'random')",
     )
-    g.add_argument("--ask-k", type=int, default=10)
-    g.add_argument("--ask-prototypes", type=int, default=512)
+    g.add_argument("--ask-k", type=int, default=10, help="ASK: neighbours retrieved")
+    g.add_argument("--ask-prototypes", type=int, default=512, help="ASK: bank prototypes")
     g.add_argument(
         "--ask-refresh-every", type=int, default=15, help="epochs between bank refreshes"
     )
-    g.add_argument("--ask-injection-ratio", type=float, default=0.2)
-    g.add_argument("--ask-backend", default="auto", choices=("auto", "faiss", "torch"))
     g.add_argument(
-        "--grad-cache",
-        type=_bool,
-        nargs="?",
-        const=True,
-        default=False,
-        help="GradCache the text tower (KCL: K*B captions in the memory of B)",
+        "--ask-injection-ratio", type=float, default=0.2, help="ASK: knowledge injection ratio"
+    )
+    g.add_argument(
+        "--ask-backend",
+        default="auto",
+        choices=("auto", "faiss", "torch"),
+        help="ASK: kNN search backend",
+    )
+    _add_flag(
+        g, "--grad-cache", False, "GradCache the text tower (KCL: K*B captions in the memory of B)"
     )
     g.add_argument(
         "--grad-cache-chunk",
@@ -153,22 +177,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=10)
+    g.add_argument("--epochs", type=int, default=10, help="passes over the training set")
     g.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many steps in total"
     )
     g.add_argument("--batch-size", type=int, default=24, help="per process")
-    g.add_argument("--eval-batch-size", type=int, default=32)
-    g.add_argument("--optimizer", default="adam", choices=("adam", "adamw"))
-    g.add_argument("--lr", type=float, default=5e-5)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--schedule", default="cosine", choices=("cosine", "step", "constant"))
-    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument("--eval-batch-size", type=int, default=32, help="clips/captions per forward")
+    g.add_argument("--optimizer", default="adam", choices=("adam", "adamw"), help="optimizer")
+    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="optimizer weight decay")
+    g.add_argument(
+        "--schedule",
+        default="cosine",
+        choices=("cosine", "step", "constant"),
+        help="learning-rate schedule",
+    )
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
     g.add_argument(
         "--min-lr-ratio", type=float, default=0.0, help="cosine floor, as a share of --lr"
     )
     g.add_argument("--step-epochs", type=int, default=3, help="step schedule: decay every N epochs")
-    g.add_argument("--step-gamma", type=float, default=0.1)
+    g.add_argument("--step-gamma", type=float, default=0.1, help="step schedule: decay factor")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
     g.add_argument(
         "--amp",
@@ -176,13 +205,27 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "bf16", "fp16", "none"),
         help="auto: bf16 on CUDA, none on CPU",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of every random stream")
+    g.add_argument(
+        "--max-nonfinite-steps",
+        type=int,
+        default=5,
+        help="a step whose loss or gradient is NaN/Inf is skipped (no update); this many in a "
+        "row stop the run with an error",
+    )
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
 
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", help="logs, checkpoints and plots go here")
     g.add_argument(
         "--resume", help="checkpoint directory, or 'auto' for the latest in --output-dir"
+    )
+    _add_flag(
+        g,
+        "--overwrite",
+        False,
+        "start afresh in a non-empty --output-dir, deleting the earlier run's logs and "
+        "checkpoints (without it, or --resume, a non-empty directory is an error)",
     )
     g.add_argument("--save-every-steps", type=int, default=0, help="also checkpoint every N steps")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="step checkpoints kept")
@@ -192,12 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="best checkpoint: 'mean_r1' (mean R@1 over languages and directions) or a "
         "flattened retrieval_report key",
     )
-    g.add_argument(
-        "--progress", type=_bool, nargs="?", const=True, default=True, help="tqdm progress bars"
-    )
-    g.add_argument(
-        "--plots", type=_bool, nargs="?", const=True, default=True, help="PNG curves at the end"
-    )
+    _add_flag(g, "--progress", True, "tqdm progress bars")
+    _add_flag(g, "--plots", True, "PNG curves at the end")
     return p
 
 
@@ -286,5 +325,9 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}"
             )
+    if args.max_nonfinite_steps < 1:
+        raise ValueError(f"--max-nonfinite-steps: expected >= 1, got {args.max_nonfinite_steps}")
+    if args.resume and args.overwrite:
+        raise ValueError("--overwrite and --resume exclude each other: keep one")
     if args.grad_cache_chunk is not None and args.grad_cache_chunk < 1:
         raise ValueError(f"--grad-cache-chunk: expected >= 1, got {args.grad_cache_chunk}")

@@ -18,6 +18,7 @@ and resumes exactly mid-epoch.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -47,28 +48,55 @@ class Clip:
     path: Path
     captions: dict[str, list[str]] = field(default_factory=dict)
     rows: list[int] = field(default_factory=list)
+    manifest: str = ""
+
+    def where(self) -> str:
+        """``manifest:line`` of the clip's first row, for error messages."""
+        return f"{self.manifest}:{self.rows[0]}" if self.rows else self.manifest
+
+
+#: Longest accepted manifest field (characters); longer ones are almost surely a broken row.
+MAX_FIELD_CHARS = 4096
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def _decode(path: Path) -> str:
+    """The manifest's text: UTF-8 with or without a BOM; NUL bytes and other encodings are
+    errors naming the line."""
+    data = path.read_bytes()
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise ManifestError(f"{path}:{_line_of(data, nul)}: NUL byte in the manifest")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ManifestError(
+            f"{path}:{_line_of(data, err.start)}: not UTF-8 (byte 0x{data[err.start]:02x}); "
+            "save the manifest as UTF-8"
+        ) from err
 
 
 def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, row)`` pairs; line numbers are 1-based as an editor shows them."""
     rows: list[tuple[int, dict[str, Any]]] = []
+    text = _decode(path)
     if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ManifestError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
-                if not isinstance(row, dict):
-                    raise ManifestError(
-                        f"{path}:{line_no}: expected a JSON object, got {row!r:.60}"
-                    )
-                rows.append((line_no, row))
+        for line_no, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ManifestError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+            if not isinstance(row, dict):
+                raise ManifestError(f"{path}:{line_no}: expected a JSON object, got {row!r:.60}")
+            rows.append((line_no, row))
         return rows
-    with path.open(encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
         if reader.fieldnames is None:
             raise ManifestError(
                 f"{path}: empty file, expected a header {','.join(REQUIRED_COLUMNS)}"
@@ -81,7 +109,28 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             )
         for row in reader:
             rows.append((reader.line_num, row))
+    except csv.Error as err:
+        raise ManifestError(f"{path}:{reader.line_num + 1}: unreadable CSV row ({err})") from err
     return rows
+
+
+def _field_problem(column: str, value: Any) -> str | None:
+    if value is None or not str(value).strip():
+        return None  # reported as empty
+    if not isinstance(value, str):
+        return f"{column} is a {type(value).__name__}, expected a string"
+    if "\x00" in value:
+        return f"NUL character in {column}"
+    if len(value) > MAX_FIELD_CHARS:
+        return f"{column} has {len(value)} characters (more than {MAX_FIELD_CHARS})"
+    return None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # e.g. ENAMETOOLONG
+        return False
 
 
 def read_manifest(
@@ -89,17 +138,21 @@ def read_manifest(
     languages: Sequence[str],
     audio_root: str | os.PathLike[str] | None = None,
     check_files: bool = True,
+    contain: bool = False,
 ) -> list[Clip]:
     """Parse and validate a manifest; returns one :class:`Clip` per audio id, in file order.
 
-    Raises :class:`ManifestError` naming the file and rows for: missing columns or fields,
-    empty captions, languages outside ``languages``, an audio id bound to two files, and (with
-    ``check_files``) audio files that do not exist.
+    Raises :class:`ManifestError` naming the file and rows for: bytes that are not UTF-8 (a
+    BOM is fine), NUL bytes, fields longer than :data:`MAX_FIELD_CHARS`, missing columns or
+    fields, empty captions, languages outside ``languages``, an audio id bound to two files,
+    (with ``contain``) audio paths resolving outside ``audio_root`` (or the manifest's
+    directory), and (with ``check_files``) audio files that do not exist.
     """
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist")
     root = Path(audio_root) if audio_root is not None else path.parent
+    resolved_root = root.resolve()
     wanted = [canonical_language(lang) for lang in languages]
     rows = _read_rows(path)
     if not rows:
@@ -109,6 +162,10 @@ def read_manifest(
     unknown: dict[str, list[int]] = {}
     for line_no, row in rows:
         values = {c: row.get(c) for c in REQUIRED_COLUMNS}
+        problems = [p for c, v in values.items() if (p := _field_problem(c, v)) is not None]
+        if problems:
+            bad.append(f"line {line_no}: " + "; ".join(problems))
+            continue
         empty = [c for c, v in values.items() if v is None or not str(v).strip()]
         if empty:
             bad.append(f"line {line_no}: empty or missing {empty}")
@@ -121,7 +178,13 @@ def read_manifest(
         audio_path = Path(str(values["audio_path"]).strip())
         if not audio_path.is_absolute():
             audio_path = root / audio_path
-        clip = clips.setdefault(audio_id, Clip(audio_id, audio_path))
+        if contain and not audio_path.resolve().is_relative_to(resolved_root):
+            bad.append(
+                f"line {line_no}: audio_path {audio_path} resolves outside the audio root "
+                f"{resolved_root} (--contain-audio-paths)"
+            )
+            continue
+        clip = clips.setdefault(audio_id, Clip(audio_id, audio_path, manifest=str(path)))
         if clip.path != audio_path:
             bad.append(
                 f"line {line_no}: audio_id {audio_id!r} points to {audio_path} but an earlier "
@@ -142,7 +205,7 @@ def read_manifest(
             "(add them to --languages or remove the rows)"
         )
     if check_files:
-        missing = [(c.rows[0], c.path) for c in clips.values() if not c.path.is_file()]
+        missing = [(c.rows[0], c.path) for c in clips.values() if not _is_file(c.path)]
         if missing:
             listed = ", ".join(f"{p} (line {line})" for line, p in missing[:10])
             raise ManifestError(
@@ -217,9 +280,14 @@ def load_audio(
         if info.frames > crop:
             offset = int(rng.integers(0, info.frames - crop + 1)) if rng is not None else 0
             start, stop = offset, offset + crop
-    wave, sr = sf.read(str(path), start=start, stop=stop, dtype="float32", always_2d=True)
+    try:
+        wave, sr = sf.read(str(path), start=start, stop=stop, dtype="float32", always_2d=True)
+    except Exception as err:
+        raise ManifestError(f"cannot decode audio file {path}: {err}") from err
     if wave.shape[0] == 0:
         raise ManifestError(f"audio file {path} is empty")
+    if not np.isfinite(wave).all():
+        raise ManifestError(f"audio file {path} has non-finite (NaN/Inf) samples")
     mono = wave.mean(axis=1)
     out = resample(mono, int(sr), target_sr)
     if max_seconds is not None:
@@ -227,9 +295,71 @@ def load_audio(
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
+def audio_problem(path: Path, decode: bool = True) -> str | None:
+    """Why ``path`` cannot be trained on, or ``None``: unreadable, empty, and (``decode``)
+    undecodable, shorter than its header says, or holding NaN/Inf samples."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(path))
+    except Exception as err:  # LibsndfileError / RuntimeError variants
+        return f"cannot read ({err})"
+    if info.frames <= 0:
+        return "no audio frames"
+    if not decode:
+        return None
+    frames = 0
+    try:
+        with sf.SoundFile(str(path)) as f:
+            for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
+                if not np.isfinite(block).all():
+                    return f"non-finite (NaN/Inf) samples near frame {frames}"
+                frames += block.shape[0]
+    except Exception as err:
+        return f"cannot decode after frame {frames} ({err})"
+    if frames < info.frames:
+        return f"truncated: the header says {info.frames} frames, {frames} decoded"
+    return None
+
+
+class _AudioCheck(Dataset[str | None]):
+    def __init__(self, clips: Sequence[Clip], decode: bool) -> None:
+        self.clips, self.decode = list(clips), decode
+
+    def __len__(self) -> int:
+        return len(self.clips)
+
+    def __getitem__(self, index: int) -> str | None:
+        clip = self.clips[index]
+        problem = audio_problem(clip.path, self.decode)
+        return None if problem is None else f"{clip.where()}: {clip.path}: {problem}"
+
+
+def _first(items: list[Any]) -> Any:
+    return items[0]
+
+
+def check_audio(clips: Sequence[Clip], decode: bool = True, workers: int = 0) -> list[str]:
+    """Problems of the clips' audio files (``manifest:line: path: why``), read in parallel by
+    ``workers`` DataLoader processes (see :func:`audio_problem`)."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        _AudioCheck(clips, decode), batch_size=1, num_workers=workers, collate_fn=_first
+    )
+    return [problem for problem in loader if problem is not None]
+
+
 # --------------------------------------------------------------------------------------------
 # Datasets
 # --------------------------------------------------------------------------------------------
+
+
+def _load_clip(clip: Clip, max_seconds: float | None, rng: np.random.Generator | None) -> Any:
+    try:
+        return load_audio(clip.path, max_seconds, rng)
+    except ManifestError as err:
+        raise ManifestError(f"{clip.where()}: {err}") from err
 
 
 class TrainDataset(Dataset[dict[str, Any]]):
@@ -257,7 +387,7 @@ class TrainDataset(Dataset[dict[str, Any]]):
     def __getitem__(self, index: int) -> dict[str, Any]:
         clip = self.clips[index]
         rng = np.random.default_rng([self.seed, self.epoch, index])
-        wave = load_audio(clip.path, self.max_seconds, rng)
+        wave = _load_clip(clip, self.max_seconds, rng)
         captions: list[str | None] = []
         for lang in self.languages:
             options = clip.captions.get(lang)
@@ -276,7 +406,7 @@ class AudioOnlyDataset(Dataset[dict[str, Any]]):
         return len(self.clips)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        wave = load_audio(self.clips[index].path, self.max_seconds, None)
+        wave = _load_clip(self.clips[index], self.max_seconds, None)
         return {"audio": torch.from_numpy(wave), "captions": [], "index": index}
 
 

@@ -3,17 +3,10 @@ R@1 per language and direction per epoch."""
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+from .durable import read_jsonl
 
 
 def plot_run(out_dir: str | Path) -> list[Path]:
@@ -28,7 +21,7 @@ def plot_run(out_dir: str | Path) -> list[Path]:
     plots = out_dir / "plots"
     plots.mkdir(exist_ok=True)
     written: list[Path] = []
-    steps = _read_jsonl(out_dir / "train_log.jsonl")
+    steps = read_jsonl(out_dir / "train_log.jsonl")
     if steps:
         x = [row["step"] for row in steps]
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -66,7 +59,7 @@ def plot_run(out_dir: str | Path) -> list[Path]:
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
 
-    epochs = [row for row in _read_jsonl(out_dir / "epoch_log.jsonl") if row.get("metrics")]
+    epochs = [row for row in read_jsonl(out_dir / "epoch_log.jsonl") if row.get("metrics")]
     if epochs:
         series: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for row in epochs:

@@ -244,3 +244,24 @@ def tiny_ced_config(**overrides: Any) -> dict[str, Any]:
     values: dict[str, Any] = {"embed_dim": 32, "depth": 2, "num_heads": 2}
     values.update(overrides)
     return values
+
+
+def tiny_run_config(data: dict[str, Path], sonar: str | os.PathLike[str]) -> dict[str, Any]:
+    """Trainer options of a tiny CPU run on :func:`make_dataset`'s data and the encoder of
+    :func:`make_sonar_dir` (one epoch, no progress bars or plots); add ``output_dir``."""
+    return {
+        "train_manifest": str(data["train"]),
+        "test_manifest": str(data["test"]),
+        "sonar": str(sonar),
+        "languages": list(LANGUAGES3),
+        "ced_config": tiny_ced_config(),
+        "embed_dim": 32,
+        "batch_size": 4,
+        "eval_batch_size": 8,
+        "epochs": 1,
+        "lr": 1e-3,
+        "max_seconds": 2.0,
+        "progress": False,
+        "plots": False,
+        "seed": 0,
+    }

@@ -6,15 +6,21 @@ import argparse
 import csv
 import datetime
 import gc
+import io
 import json
 import math
 import os
+import pickle
 import random
 import resource
-import shutil
+import shlex
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +37,27 @@ from .data import (
     AudioOnlyDataset,
     Clip,
     EpochBatchSampler,
+    ManifestError,
     TrainDataset,
+    check_audio,
     collate,
     eval_captions,
     pick,
     read_manifest,
     require_language,
     require_other_language,
+)
+from .durable import (
+    TMP_PREFIX,
+    append_line,
+    atomic_torch_save,
+    atomic_write_text,
+    fsync_dir,
+    fsync_file,
+    read_jsonl,
+    remove_tree,
+    warn,
+    write_lines,
 )
 from .gradcache import backward_chunks, embed_without_grad, split_chunks
 from .model import ClapModel, load_mlclap_checkpoint
@@ -279,7 +299,9 @@ def flatten_metrics(obj: Any, prefix: str = "") -> dict[str, float]:
 
 
 class StepLog:
-    """Append-only per-step JSONL + CSV; on resume rows after the checkpoint's step are dropped."""
+    """Per-step JSONL + CSV, one appended line per step. On resume the rows after the
+    checkpoint's step are dropped and both files are rewritten at once (temp file + replace):
+    a kill at any moment leaves the old log or the new one."""
 
     def __init__(self, directory: Path, name: str, resume_step: int | None) -> None:
         self.jsonl = directory / f"{name}.jsonl"
@@ -289,28 +311,39 @@ class StepLog:
             for path in (self.jsonl, self.csv):
                 path.unlink(missing_ok=True)
             return
-        kept = [r for r in self.read(self.jsonl) if r.get("step", 0) <= resume_step]
-        self.jsonl.unlink(missing_ok=True)
-        self.csv.unlink(missing_ok=True)
-        for row in kept:
-            self.write(row)
+        kept: dict[int, dict[str, Any]] = {}
+        for row in read_jsonl(self.jsonl):
+            step = int(row.get("step", 0))
+            if step <= resume_step:
+                kept[step] = row  # a repeated step (an older trainer's log): the last one wins
+        rows = [kept[step] for step in sorted(kept)]
+        if len(rows) != resume_step and self.jsonl.is_file():
+            warn(f"{self.jsonl}: {resume_step - len(rows)} of steps 1-{resume_step} missing")
+        write_lines(self.jsonl, [json.dumps(row) + "\n" for row in rows])
+        if rows:
+            self.columns = list(rows[0])
+            write_lines(self.csv, [self._csv_line(None)] + [self._csv_line(r) for r in rows])
+        else:
+            self.csv.unlink(missing_ok=True)
 
-    @staticmethod
-    def read(path: Path) -> list[dict[str, Any]]:
-        if not path.is_file():
-            return []
-        with path.open(encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+    def _csv_line(self, row: dict[str, Any] | None) -> str:
+        assert self.columns is not None
+        buffer = io.StringIO()
+        values = self.columns if row is None else [row.get(c, "") for c in self.columns]
+        csv.writer(buffer).writerow(values)
+        return buffer.getvalue()
 
     def write(self, row: dict[str, Any]) -> None:
-        with self.jsonl.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        append_line(self.jsonl, json.dumps(row) + "\n")
         if self.columns is None:
             self.columns = list(row)
-            with self.csv.open("w", encoding="utf-8", newline="") as f:
-                csv.writer(f).writerow(self.columns)
-        with self.csv.open("a", encoding="utf-8", newline="") as f:
-            csv.writer(f).writerow([row.get(c, "") for c in self.columns])
+            write_lines(self.csv, [self._csv_line(None)])
+        append_line(self.csv, self._csv_line(row))
+
+    def sync(self) -> None:
+        """fsync both files (before a checkpoint that counts their rows is published)."""
+        fsync_file(self.jsonl)
+        fsync_file(self.csv)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -328,18 +361,21 @@ def peak_memory_mb(device: torch.device) -> float:
 class Trainer:
     """Holds the run's state; :meth:`fit` trains, evaluates and checkpoints."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, argv: Sequence[str] | None = None) -> None:
         self.args = args
+        self.argv = argv  # the command line, for the resume command printed on a signal
         self.rank, self.world, self.device = init_distributed(args.device)
         self.is_main = self.rank == 0
         self.out = Path(args.output_dir)
-        if self.is_main:
-            (self.out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self._prepare_output_dir()
         self.amp_dtype = self._amp_dtype()
 
         # Data first: manifest errors should come before minutes of model loading.
         self.languages: list[str] = list(args.languages)
-        self.train_clips = read_manifest(args.train_manifest, self.languages, args.audio_root)
+        contain = args.contain_audio_paths
+        self.train_clips = read_manifest(
+            args.train_manifest, self.languages, args.audio_root, contain=contain
+        )
         self.mode = text_mode(args)
         if self.mode == "cacl":
             require_language(self.train_clips, self.languages[0], "CACL", args.train_manifest)
@@ -353,8 +389,11 @@ class Trainer:
             )
         self.test_clips: list[Clip] = []
         if args.test_manifest:
-            self.test_clips = read_manifest(args.test_manifest, self.languages, args.audio_root)
+            self.test_clips = read_manifest(
+                args.test_manifest, self.languages, args.audio_root, contain=contain
+            )
             eval_captions(self.test_clips, self.languages, args.test_manifest)  # validate early
+        self._check_audio()
         self.train_set = TrainDataset(self.train_clips, self.languages, args.max_seconds, args.seed)
         self.sampler = EpochBatchSampler(
             len(self.train_set),
@@ -407,11 +446,102 @@ class Trainer:
         self.best: float | None = None
         self.history: list[dict[str, Any]] = []
         self.bank_epoch: int | None = None
+        self.epoch_losses: list[float] = []  # finite losses since the last epoch row
+        self.epoch_elapsed = 0.0  # training seconds of the current epoch
+        self.nonfinite_in_row = 0
+        self.nonfinite_total = 0
+        self.stop_signal: int | None = None
         resume_step = self._maybe_resume()
         self.log = StepLog(self.out, "train_log", resume_step) if self.is_main else None
         if self.is_main:
+            # The epoch rows are the checkpoint's history: rows written after it (a kill
+            # before the next checkpoint) are dropped, not duplicated.
+            epoch_log = self.out / "epoch_log.jsonl"
+            if resume_step is None:
+                epoch_log.unlink(missing_ok=True)
+            else:
+                write_lines(epoch_log, [json.dumps(h) + "\n" for h in self.history])
             config = {k: v for k, v in vars(args).items()}
-            (self.out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+            atomic_write_text(self.out / "config.json", json.dumps(config, indent=2, default=str))
+
+    # --- output directory and input checks ------------------------------------------------
+
+    #: What a run writes in --output-dir (what --overwrite deletes).
+    ARTEFACTS = (
+        "checkpoints",
+        "best",
+        "eval",
+        "plots",
+        "train_log.jsonl",
+        "train_log.csv",
+        "epoch_log.jsonl",
+        "summary.json",
+        "config.json",
+    )
+
+    def _from_main(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (so every rank raises the same error)."""
+        if self.world == 1:
+            return value
+        shared = [value]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
+    def _prepare_output_dir(self) -> None:
+        """Refuse a non-empty --output-dir unless --resume or --overwrite; clear leftovers."""
+        args = self.args
+        problem = None
+        if self.is_main:
+            out = self.out
+            if out.exists() and not out.is_dir():
+                problem = f"--output-dir {out} is a file, not a directory"
+            elif out.is_dir():
+                entries = sorted(p.name for p in out.iterdir())
+                if entries and not args.resume and not args.overwrite:
+                    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+                    problem = (
+                        f"--output-dir {out} is not empty ({shown}): pass --resume auto to "
+                        "continue the run in it, --overwrite to delete its logs and "
+                        "checkpoints and start afresh, or choose another --output-dir"
+                    )
+                elif entries and args.overwrite:
+                    for name in self.ARTEFACTS:
+                        remove_tree(out / name)
+            if problem is None:
+                (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+                for folder in (out, out / "checkpoints", out / "best"):
+                    if folder.is_dir():  # temp files of a killed run
+                        for stale in folder.glob(f"{TMP_PREFIX}*"):
+                            remove_tree(stale)
+        problem = self._from_main(problem)
+        if problem:
+            raise FileExistsError(problem)
+
+    def _check_audio(self) -> None:
+        """Decode every clip once before training (--check-audio), each rank a share."""
+        mode = self.args.check_audio
+        if mode == "off":
+            return
+        clips = self.train_clips + self.test_clips
+        started = time.time()
+        problems = check_audio(
+            clips[self.rank :: self.world], decode=mode == "full", workers=self.args.workers
+        )
+        if self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, problems)
+            problems = [p for part in gathered for p in part]
+        if problems:
+            raise ManifestError(
+                f"{len(problems)} unusable audio file(s) (--check-audio {mode}): "
+                + "; ".join(problems[:10])
+                + ("; ..." if len(problems) > 10 else "")
+            )
+        if self.is_main:
+            print(
+                f"[check-audio] {len(clips)} clips {'decoded' if mode == 'full' else 'opened'} "
+                f"in {time.time() - started:.1f} s"
+            )
 
     # --- construction ---------------------------------------------------------------------
 
@@ -466,6 +596,8 @@ class Trainer:
         attention_mask = tokens["attention_mask"].to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         lr = float(self.scheduler.get_last_lr()[0])  # the rate this step uses
+        running = self._running_stats()
+        saved_stats = [t.detach().clone() for t in running]  # restored if the step is skipped
         if self.grad_cache:
             loss, terms = self._grad_cache_backward(
                 waveform, lengths, input_ids, attention_mask, arrange
@@ -474,23 +606,43 @@ class Trainer:
             module = self.ddp if self.ddp is not None else self.trainable
             loss, terms = module(waveform, lengths, input_ids, attention_mask, arrange)
             self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.params, args.grad_clip if args.grad_clip > 0 else float("inf")
-        )
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
+        value = loss.detach().float()
+        if self.world > 1:
+            dist.all_reduce(value)  # NaN/Inf on any rank makes every rank skip
+            value /= self.world
+        # NaN guard: a non-finite loss or gradient never reaches the weights. Under fp16 the
+        # GradScaler skips overflowing steps itself and lowers its scale; those count as
+        # non-finite only once the scale has fallen below 1 (then it is not an overflow).
+        grad_norm = torch.tensor(float("nan"))
+        skipped = counted = not bool(torch.isfinite(value))
+        if not skipped:
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.params, args.grad_clip if args.grad_clip > 0 else float("inf")
+            )
+            skipped = not bool(torch.isfinite(grad_norm))
+            counted = skipped and not (self.scaler.is_enabled() and self.scaler.get_scale() >= 1)
+            if not skipped or self.scaler.is_enabled():
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for tensor, old in zip(running, saved_stats, strict=True):
+                    tensor.copy_(old)
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if counted else 0
+        self.nonfinite_total += int(counted)
+        with warnings.catch_warnings():
+            # A skipped first step: the schedule follows the step count, skipped steps
+            # included, so stepping it before any optimizer.step() is what we want.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         if self.grad_cache and self.world > 1:
             with torch.no_grad():
                 for buf in self.trainable.buffers():
                     if buf.is_floating_point():
                         dist.all_reduce(buf)
                         buf /= self.world
-        value = loss.detach().float()
-        if self.world > 1:
-            dist.all_reduce(value)
-            value /= self.world
         out: dict[str, float] = {"loss": float(value), "grad_norm": float(grad_norm)}
         for key, term in (terms or {}).items():
             if isinstance(term, Tensor) and 1 < term.numel() <= 64:
@@ -506,7 +658,16 @@ class Trainer:
                 out[f"param/{name}"] = float(param.detach())
         out["lr"] = lr
         out["captions"] = float(len(texts))
+        out["skipped"] = int(skipped)
+        out["nonfinite_steps"] = self.nonfinite_total
         return out
+
+    def _running_stats(self) -> list[Tensor]:
+        """Buffers a forward pass changes (batch-norm statistics)."""
+        norms = (
+            m for m in self.trainable.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+        )
+        return [b for m in norms for b in m.buffers(recurse=False) if b is not None]
 
     def _grad_cache_backward(
         self,
@@ -603,6 +764,7 @@ class Trainer:
             batch_size=self.args.eval_batch_size,
             collate_fn=collate,
             num_workers=self.args.workers,
+            generator=torch.Generator().manual_seed(0),  # leave the global RNG alone
         )
         out = []
         for batch in loader:
@@ -665,6 +827,8 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
+        """Everything a resume needs, as tensors and plain types (loadable with
+        ``weights_only=True``)."""
         state: dict[str, Any] = {
             "model": self.model.state_dict(),
             "loss": self.loss_fn.state_dict(),
@@ -677,6 +841,10 @@ class Trainer:
             "best": self.best,
             "history": self.history,
             "bank_epoch": self.bank_epoch,
+            "epoch_losses": list(self.epoch_losses),
+            "epoch_elapsed": self.epoch_elapsed,
+            "nonfinite_in_row": self.nonfinite_in_row,
+            "nonfinite_total": self.nonfinite_total,
             "args": vars(self.args),
         }
         if self.ask:
@@ -684,46 +852,124 @@ class Trainer:
         return state
 
     def rng_state(self) -> dict[str, Any]:
+        version, words, gauss = random.getstate()
         return {
-            "python": random.getstate(),
+            "python": {
+                "version": version,
+                "state": torch.tensor(words, dtype=torch.int64),
+                "gauss": gauss,
+            },
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "lang_gen": self.lang_gen.get_state(),
         }
 
-    def save_checkpoint(self, tag: str | None = None) -> Path:
-        name = tag or f"step-{self.step:08d}"
-        directory = self.out / "checkpoints" / name
+    def _latest_name(self) -> str | None:
+        latest = self.out / "checkpoints" / "latest"
+        if not latest.is_file():
+            return None
+        name = latest.read_text(encoding="utf-8").strip()
+        if not name or name != Path(name).name or name.startswith("."):
+            raise ValueError(f"{latest}: {name!r} is not a checkpoint name (step-*)")
+        return name
+
+    def _new_checkpoint_name(self) -> str:
+        """``step-N``, or ``step-N.k`` when ``step-N`` is what ``latest`` names (an epoch
+        ending on a --save-every-steps step): a published checkpoint is never rewritten."""
+        checkpoints = self.out / "checkpoints"
+        latest = self._latest_name()
+        base = name = f"step-{self.step:08d}"
+        k = 0
+        while (checkpoints / name).exists():
+            if name != latest:  # complete but never published (a kill before `latest`)
+                remove_tree(checkpoints / name)
+                break
+            k += 1
+            name = f"{base}.{k}"
+        return name
+
+    def _check_finite_weights(self) -> None:
+        with torch.no_grad():
+            tensors = [*self.trainable.named_parameters(), *self.trainable.named_buffers()]
+            bad = [
+                name
+                for name, t in tensors
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())
+            ]
+        if bad:
+            raise RuntimeError(
+                f"refusing to save a checkpoint at step {self.step}: non-finite weights in "
+                f"{bad[:5]}{'...' if len(bad) > 5 else ''}; the latest checkpoint "
+                f"({self._latest_name()}) is left as it was"
+            )
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step-N`` crash-consistently and point ``latest`` at it.
+
+        The files go to a temporary directory (each fsynced), which is renamed into place
+        and only then named by ``latest`` (itself replaced atomically). A kill at any moment
+        leaves ``latest`` naming a complete checkpoint (or absent before the first).
+        """
+        self._check_finite_weights()  # every rank: the weights are the same everywhere
+        checkpoints = self.out / "checkpoints"
+        name = self._from_main(self._new_checkpoint_name() if self.is_main else None)
+        tmp = checkpoints / f"{TMP_PREFIX}{name}"
         if self.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
+            remove_tree(tmp)
+            tmp.mkdir(parents=True)
         if self.world > 1:
             dist.barrier()
-        torch.save(self.rng_state(), directory / f"rng-rank{self.rank}.pt")
+        directory = checkpoints / name
+        try:
+            atomic_torch_save(self.rng_state(), tmp / f"rng-rank{self.rank}.pt")
+            if self.world > 1:
+                dist.barrier()
+            if self.is_main:
+                atomic_torch_save(self.state(), tmp / "state.pt")
+                os.rename(tmp, directory)
+        except Exception:
+            remove_tree(tmp)  # a full disk: leave no half checkpoint (a kill: the next start)
+            raise
         if self.is_main:
-            tmp = directory / "state.pt.tmp"
-            torch.save(self.state(), tmp)
-            os.replace(tmp, directory / "state.pt")
-            (self.out / "checkpoints" / "latest").write_text(name)
-            self._prune_checkpoints()
+            fsync_dir(checkpoints)
+            if self.log is not None:
+                self.log.sync()  # the rows up to this step are on disk before `latest`
+            fsync_file(self.out / "epoch_log.jsonl")
+            atomic_write_text(checkpoints / "latest", name)
+            self._prune_checkpoints(name)
         if self.world > 1:
             dist.barrier()
         return directory
 
-    def _prune_checkpoints(self) -> None:
+    def _prune_checkpoints(self, latest: str) -> None:
         keep = max(self.args.keep_checkpoints, 1)
         steps = sorted(p for p in (self.out / "checkpoints").glob("step-*") if p.is_dir())
         for old in steps[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name != latest:
+                remove_tree(old)
+
+    def _load(self, path: Path, map_location: Any) -> Any:
+        """``torch.load(weights_only=True)``: a checkpoint can hold tensors and plain types
+        only, so a crafted file cannot run code on --resume."""
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"--resume: {path} holds objects other than tensors and plain Python types; "
+                f"refusing to load it (weights_only=True): {str(err).splitlines()[0]}"
+            ) from err
+        except (RuntimeError, EOFError, OSError) as err:
+            raise ValueError(f"--resume: cannot read {path}: {err}") from err
 
     def _maybe_resume(self) -> int | None:
         resume = self.args.resume
         if not resume:
             return None
         if resume == "auto":
-            latest = self.out / "checkpoints" / "latest"
-            if not latest.is_file():
+            name = self._latest_name()
+            if name is None:
                 return None
-            directory = self.out / "checkpoints" / latest.read_text().strip()
+            directory = self.out / "checkpoints" / name
         else:
             directory = Path(resume)
             if directory.is_file():
@@ -731,7 +977,7 @@ class Trainer:
         state_file = directory / "state.pt"
         if not state_file.is_file():
             raise FileNotFoundError(f"--resume: no state.pt in {directory}")
-        state = torch.load(state_file, map_location=self.device, weights_only=False)
+        state = self._load(state_file, self.device)
         self.model.load_state_dict(state["model"])
         self.loss_fn.load_state_dict(state["loss"])
         if self.ask and "bank" in state:
@@ -745,10 +991,17 @@ class Trainer:
         self.best = state["best"]
         self.history = list(state["history"])
         self.bank_epoch = state.get("bank_epoch")
+        self.epoch_losses = list(state.get("epoch_losses", []))
+        self.epoch_elapsed = float(state.get("epoch_elapsed", 0.0))
+        self.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
         rng_file = directory / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():
-            rng = torch.load(rng_file, map_location="cpu", weights_only=False)
-            random.setstate(rng["python"])
+            rng = self._load(rng_file, "cpu")
+            python = rng["python"]
+            if isinstance(python, dict):
+                python = (python["version"], tuple(python["state"].tolist()), python["gauss"])
+            random.setstate(python)
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
@@ -765,87 +1018,23 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        args = self.args
-        from tqdm.auto import tqdm
+        """Train to --epochs / --max-steps, evaluating and checkpointing after every epoch.
 
-        stop = self.step >= self.total_steps
-        while self.epoch < args.epochs and not stop:
-            epoch = self.epoch
-            if self.ask and self.batch_in_epoch == 0 and self.bank_due(epoch):
-                self.build_bank(epoch)
-            self.train_set.set_epoch(epoch)
-            self.sampler.set_epoch(epoch, self.batch_in_epoch)
-            loader = DataLoader(
-                self.train_set,
-                batch_sampler=self.sampler,
-                collate_fn=collate,
-                num_workers=args.workers,
-                pin_memory=self.device.type == "cuda",
-                # The loader draws its workers' base seed from this generator, not from the
-                # global RNG: creating the iterator after a resume must not shift dropout.
-                generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch),
-            )
-            bar = tqdm(
-                total=self.steps_per_epoch,
-                initial=self.batch_in_epoch,
-                desc=f"epoch {epoch + 1}/{args.epochs}",
-                disable=not (self.is_main and args.progress),
-                dynamic_ncols=True,
-            )
-            started = time.time()
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)  # per-epoch peak
-            losses: list[float] = []
-            self.model.train()
-            for batch in loader:
-                t0 = time.time()
-                record = self.train_step(batch)
-                self.step += 1
-                self.batch_in_epoch += 1
-                losses.append(record["loss"])
-                if self.log is not None:
-                    row: dict[str, Any] = {
-                        "step": self.step,
-                        "epoch": epoch + 1,
-                        "batch": self.batch_in_epoch,
-                    }
-                    row.update(record)
-                    row["step_time"] = time.time() - t0
-                    self.log.write(row)
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
-                if args.save_every_steps and self.step % args.save_every_steps == 0:
-                    self.save_checkpoint()
-                if self.step >= self.total_steps:
-                    stop = True
+        An epoch is *closed* by its row in ``epoch_log.jsonl`` (evaluation, best model) and the
+        checkpoint after it; a run resumed from a checkpoint taken after the epoch's last step
+        but before it was closed closes it first.
+        """
+        args = self.args
+        with self._signal_handlers():
+            while self.epoch < args.epochs:
+                epoch = self.epoch
+                finished = self.step >= self.total_steps
+                closed = bool(self.history) and self.history[-1]["step"] == self.step
+                if finished and closed:
                     break
-            bar.close()
-            epoch_done = self.batch_in_epoch >= self.steps_per_epoch
-            summary: dict[str, Any] = {
-                "epoch": epoch + 1,
-                "step": self.step,
-                "train_loss": float(np.mean(losses)) if losses else None,
-                "epoch_time_s": time.time() - started,
-                "peak_memory_mb": peak_memory_mb(self.device),
-            }
-            if epoch_done or stop:
-                summary.update(self._evaluate_and_select())
-            if epoch_done:
-                self.epoch += 1
-                self.batch_in_epoch = 0
-            self.history.append(summary)
-            if self.is_main:
-                with (self.out / "epoch_log.jsonl").open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(summary) + "\n")
-                print(
-                    f"[epoch {epoch + 1}] "
-                    + ", ".join(
-                        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                        for k, v in summary.items()
-                        if k != "metrics"
-                    )
-                )
-            self.save_checkpoint()
+                if not finished and self.batch_in_epoch < self.steps_per_epoch:
+                    self._train_epoch(epoch)
+                self._close_epoch(epoch)
         if self.is_main and args.plots:
             from .plots import plot_run
 
@@ -860,8 +1049,176 @@ class Trainer:
             "ranks_in_sync": self.ranks_in_sync(),
         }
         if self.is_main:
-            (self.out / "summary.json").write_text(json.dumps(result, indent=2, default=str))
+            atomic_write_text(self.out / "summary.json", json.dumps(result, indent=2, default=str))
         return result
+
+    def _train_epoch(self, epoch: int) -> None:
+        """The epoch's remaining steps (up to --max-steps), with the step checkpoints."""
+        args = self.args
+        from tqdm.auto import tqdm
+
+        if self.ask and self.batch_in_epoch == 0 and self.bank_due(epoch):
+            self.build_bank(epoch)
+        self.train_set.set_epoch(epoch)
+        self.sampler.set_epoch(epoch, self.batch_in_epoch)
+        loader = DataLoader(
+            self.train_set,
+            batch_sampler=self.sampler,
+            collate_fn=collate,
+            num_workers=args.workers,
+            pin_memory=self.device.type == "cuda",
+            # The loader draws its workers' base seed from this generator, not from the
+            # global RNG: creating the iterator after a resume must not shift dropout.
+            generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch),
+        )
+        bar = tqdm(
+            total=self.steps_per_epoch,
+            initial=self.batch_in_epoch,
+            desc=f"epoch {epoch + 1}/{args.epochs}",
+            disable=not (self.is_main and args.progress),
+            dynamic_ncols=True,
+        )
+        started = time.time() - self.epoch_elapsed
+        if self.device.type == "cuda" and self.batch_in_epoch == 0:
+            torch.cuda.reset_peak_memory_stats(self.device)  # per-epoch peak
+        self.model.train()
+        for batch in loader:
+            t0 = time.time()
+            record = self.train_step(batch)
+            self.step += 1
+            self.batch_in_epoch += 1
+            if not record["skipped"]:
+                self.epoch_losses.append(record["loss"])
+            if self.log is not None:
+                row: dict[str, Any] = {
+                    "step": self.step,
+                    "epoch": epoch + 1,
+                    "batch": self.batch_in_epoch,
+                }
+                row.update(record)
+                row["step_time"] = time.time() - t0
+                self.log.write(row)
+            self.epoch_elapsed = time.time() - started
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+            if self.nonfinite_in_row >= args.max_nonfinite_steps:
+                raise RuntimeError(
+                    f"{self.nonfinite_in_row} steps in a row had a non-finite (NaN/Inf) loss or "
+                    f"gradient, the last at step {self.step}; they were skipped, the weights "
+                    f"are finite and the latest checkpoint ({self._latest_name()}) holds them. "
+                    "Lower --lr, check the data, try --amp none, or raise "
+                    "--max-nonfinite-steps."
+                )
+            saved = False
+            if args.save_every_steps and self.step % args.save_every_steps == 0:
+                self.save_checkpoint()
+                saved = True
+            self._exit_if_signalled(saved)
+            if self.step >= self.total_steps:
+                break
+        bar.close()
+
+    def _close_epoch(self, epoch: int) -> None:
+        """Evaluate, keep the best model, write the epoch row and checkpoint."""
+        summary: dict[str, Any] = {
+            "epoch": epoch + 1,
+            "step": self.step,
+            "train_loss": float(np.mean(self.epoch_losses)) if self.epoch_losses else None,
+            "nonfinite_steps": self.nonfinite_total,
+            "epoch_time_s": self.epoch_elapsed,
+            "peak_memory_mb": peak_memory_mb(self.device),
+        }
+        summary.update(self._evaluate_and_select())
+        if self.batch_in_epoch >= self.steps_per_epoch:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        self.history.append(summary)
+        self.epoch_losses = []
+        self.epoch_elapsed = 0.0
+        if self.is_main:
+            append_line(self.out / "epoch_log.jsonl", json.dumps(summary) + "\n")
+            print(
+                f"[epoch {epoch + 1}] "
+                + ", ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in summary.items()
+                    if k != "metrics"
+                )
+            )
+        self.save_checkpoint()
+        self._exit_if_signalled(saved=True)
+
+    # --- signals --------------------------------------------------------------------------
+
+    @contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        """SIGINT/SIGTERM: finish the current step, save a checkpoint, print the resume
+        command, exit 130/143. A second signal stops at once (the files stay consistent)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.stop_signal is not None:  # second signal: no more waiting
+                raise SystemExit(128 + signum)
+            self.stop_signal = signum
+            if self.is_main:
+                name = signal.Signals(signum).name
+                print(f"[{name}] saving a checkpoint after this step ...", flush=True)
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+    def _exit_if_signalled(self, saved: bool) -> None:
+        flag = torch.tensor(float(self.stop_signal or 0))
+        if self.world > 1:  # every rank stops at the same step, even if one got the signal
+            flag = flag.to(self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        signum = int(flag.item())
+        if not saved:
+            self.save_checkpoint()
+        if self.is_main:
+            print(
+                f"[{signal.Signals(signum).name}] checkpoint {self._latest_name()} saved at step "
+                f"{self.step}; continue with:\n  {self.resume_command()}",
+                flush=True,
+            )
+        raise SystemExit(128 + signum)
+
+    def resume_command(self) -> str:
+        """The command line of this run with ``--resume auto`` (and no ``--overwrite``)."""
+        if self.argv is None:
+            script, argv = sys.argv[0], list(sys.argv[1:])
+        else:
+            script = str(Path(__file__).resolve().parents[1] / "finetune_ced_sonar.py")
+            argv = list(self.argv)
+        kept: list[str] = []
+        skip_value = False
+        for i, token in enumerate(argv):
+            if skip_value:
+                skip_value = False
+                continue
+            if token in ("--resume", "--overwrite") or token.startswith(
+                ("--resume=", "--overwrite=")
+            ):
+                nxt = argv[i + 1] if i + 1 < len(argv) else ""
+                skip_value = "=" not in token and (token == "--resume" or not nxt.startswith("-"))
+                skip_value = skip_value and bool(nxt)
+                continue
+            kept.append(token)
+        kept += ["--resume", "auto"]
+        if self.args.overwrite:  # set in the config file
+            kept += ["--overwrite", "false"]
+        launcher = [sys.executable]
+        if self.world > 1:
+            launcher = ["torchrun", f"--nproc_per_node={self.world}"]
+        return shlex.join([*launcher, script, *kept])
 
     def ranks_in_sync(self) -> bool:
         """Every rank holds bit-identical parameters (a DDP sanity check; True alone)."""
@@ -888,14 +1245,16 @@ class Trainer:
                 table = report.to_markdown()
                 print(table)
                 (self.out / "eval").mkdir(exist_ok=True)
-                (self.out / "eval" / f"step-{self.step:08d}.md").write_text(table + "\n")
+                atomic_write_text(self.out / "eval" / f"step-{self.step:08d}.md", table + "\n")
             value = self.select_value(metrics)
             out = {"metrics": metrics, "select": value}
             if value is not None and (self.best is None or value > self.best):
                 self.best = value
                 best = self.out / "best"
                 best.mkdir(exist_ok=True)
-                torch.save(
+                # A kill between these files is repaired on resume: the checkpoint before
+                # this evaluation repeats it.
+                atomic_torch_save(
                     {
                         "model": self.model.state_dict(),
                         "loss": self.loss_fn.state_dict(),
@@ -906,7 +1265,7 @@ class Trainer:
                     },
                     best / "state.pt",
                 )
-                (best / "metrics.json").write_text(json.dumps(metrics, indent=2))
+                atomic_write_text(best / "metrics.json", json.dumps(metrics, indent=2))
                 out["best"] = True
         if self.world > 1:
             shared: list[Any] = [self.best]
@@ -969,7 +1328,7 @@ class _Trainable(nn.Module):
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    trainer = Trainer(args)
+    trainer = Trainer(args, argv)
     try:
         return trainer.fit()
     finally:

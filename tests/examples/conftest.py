@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-from clap_example.synthetic import LANGUAGES3, make_dataset, make_sonar_dir  # noqa: E402
+from clap_example.synthetic import make_dataset, make_sonar_dir, tiny_run_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,22 +32,7 @@ def sonar_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def base_config(synthetic_data: dict[str, Path], sonar_dir: Path) -> dict[str, Any]:
     """Options of a tiny CPU run; tests add --loss, --output-dir, ..."""
-    return {
-        "train_manifest": str(synthetic_data["train"]),
-        "test_manifest": str(synthetic_data["test"]),
-        "sonar": str(sonar_dir),
-        "languages": list(LANGUAGES3),
-        "ced_config": {"embed_dim": 32, "depth": 2, "num_heads": 2},
-        "embed_dim": 32,
-        "batch_size": 4,
-        "eval_batch_size": 8,
-        "epochs": 1,
-        "lr": 1e-3,
-        "max_seconds": 2.0,
-        "progress": False,
-        "plots": False,
-        "seed": 0,
-    }
+    return tiny_run_config(synthetic_data, sonar_dir)
 
 
 def write_config(directory: Path, values: dict[str, Any]) -> Path:

@@ -184,8 +184,8 @@ def test_ask_bank_is_refreshed_and_restored_on_resume(
     }
     run(tmp_path, values, "full")
     checkpoints = tmp_path / "full" / "checkpoints"
-    first = torch.load(checkpoints / "step-00000004" / "state.pt", weights_only=False)
-    second = torch.load(checkpoints / "step-00000005" / "state.pt", weights_only=False)
+    first = torch.load(checkpoints / "step-00000004" / "state.pt", weights_only=True)
+    second = torch.load(checkpoints / "step-00000005" / "state.pt", weights_only=True)
     assert first["bank_epoch"] == 0 and second["bank_epoch"] == 1
     assert not torch.equal(first["bank"]["audio"], second["bank"]["audio"])  # re-encoded
     run(tmp_path, values, "resumed", resume=str(checkpoints / "step-00000005"))
