@@ -231,6 +231,7 @@ def trajectory_drift(update: Tensor, pull: Tensor, *, eps: float = 1e-12) -> Ten
     """
     update = _checks.check_tensor(update, "update")
     pull = _checks.check_tensor(pull, "pull")
+    _checks.check_positive(eps, "eps")
     _checks.check_float(update, "update")
     _checks.check_float(pull, "pull")
     if update.dim() < 1 or update.shape != pull.shape:

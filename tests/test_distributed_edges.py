@@ -1,0 +1,120 @@
+"""Two gloo processes with a rank holding one sample (or none, or a NaN): legal global
+batches (1 + 1, 1 + 6) give the single-process loss and gradient, illegal inputs raise
+the same error on every rank. A check failing on one rank only used to leave the other
+waiting in the first collective: the spawn below has a deadline, so a hang fails."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import assert_ddp_average_matches, free_port, rank_data
+
+from contrastive_losses import functional as CF
+
+# name -> (sizes per rank, rank holding a NaN or None)
+CASES = {
+    "1+1": ((1, 1), None),
+    "1+6": ((1, 6), None),
+    "0+2": ((0, 2), None),
+    "1+0": ((1, 0), None),
+    "nan_on_rank1": ((2, 2), 1),
+}
+DEADLINE_S = 240  # the whole spawn; gloo's own timeout below is shorter
+
+
+def _losses(gather: bool):
+    return {
+        "info_nce": lambda a, t, m: CF.info_nce(a, t[:, 0], 0.2, gather=gather),
+        "siglip": lambda a, t, m: CF.siglip(a, t[:, 0], 3.0, -1.0, gather=gather),
+        "kcl": lambda a, t, m: CF.kcl(a, t, 0.2, mask=m, gather=gather),
+        "kcl_all": lambda a, t, m: CF.kcl(
+            a, t, 0.2, mask=m, negatives="all_languages", gather=gather
+        ),
+        "cacl": lambda a, t, m: CF.cacl(a, t[:, 0], t[:, 1], 0.2, gather=gather),
+    }
+
+
+def _rows(sizes: tuple[int, ...], rank: int) -> slice:
+    lo = sum(sizes[:rank])
+    return slice(lo, lo + sizes[rank])
+
+
+def _case_data(case: str) -> dict[str, torch.Tensor]:
+    sizes, nan_rank = CASES[case]
+    data = {k: v[: sum(sizes)].clone() for k, v in rank_data().items() if k != "ids"}
+    if nan_rank is not None:
+        data["audio"][_rows(sizes, nan_rank).start, 1] = float("nan")
+    return data
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        results: dict[str, object] = {}
+        for case, (sizes, _) in CASES.items():
+            data = _case_data(case)
+            rows = _rows(sizes, rank)
+            for name, fn in _losses(gather=True).items():
+                a = data["audio"][rows].clone().requires_grad_()
+                t = data["text"][rows].clone().requires_grad_()
+                try:
+                    loss = fn(a, t, data["mask"][rows])
+                except (ValueError, TypeError) as err:
+                    results[case, name] = ("error", type(err).__name__, str(err))
+                    continue
+                loss.backward()
+                results[case, name] = (loss.detach(), a.grad, t.grad)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist_edges")
+    ctx = mp.start_processes(
+        _worker, args=(2, free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the 2-rank run did not finish in {DEADLINE_S} s (a rank hangs)")
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(_losses(gather=False)))
+@pytest.mark.parametrize("case", ["1+1", "1+6", "0+2"])
+def test_a_rank_with_one_sample_or_none_is_legal(rank_results, case, name):
+    data = _case_data(case)
+    a = data["audio"].clone().requires_grad_()
+    t = data["text"].clone().requires_grad_()
+    loss = _losses(gather=False)[name](a, t, data["mask"])
+    loss.backward()
+    per_rank = [{name: r[case, name]} for r in rank_results]
+    assert_ddp_average_matches(per_rank, name, loss, a, t)
+
+
+@pytest.mark.parametrize("name", list(_losses(gather=False)))
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("1+0", r"^audio: global batch size 1 over 2 ranks is too small"),
+        ("nan_on_rank1", r"audio: contains 1 NaN/Inf value.* \(on rank 1; every rank raises it\)"),
+    ],
+)
+def test_an_error_on_one_rank_is_raised_on_every_rank(rank_results, case, message, name):
+    outcomes = [r[case, name] for r in rank_results]
+    assert outcomes[0] == outcomes[1]  # same type and message everywhere
+    kind, text = outcomes[0][0], outcomes[0][2]
+    assert kind == "error" and outcomes[0][1] == "ValueError"
+    assert __import__("re").search(message, text), text
