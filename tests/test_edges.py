@@ -325,3 +325,49 @@ def test_l2_normalize_validates_without_norms():
         torch.tensor([[0.6, 0.8]], dtype=F64),
     )
     assert math.isfinite(float(CF.l2_normalize(torch.tensor([[1e-30, 0.0]])).sum()))
+
+
+# ------------------------------------------------------------------ found by the sweep
+
+
+def test_trajectory_drift_is_scale_invariant_at_the_extremes(gen):
+    u, p = randn(gen, 4, 6).float(), randn(gen, 4, 6).float()
+    expected = trajectory_drift(u, p)
+    for su, sp in ((1e30, 1e30), (1e20, 1e-20), (3e38 / 6, 1.0), (1e-20, 1e15)):
+        torch.testing.assert_close(trajectory_drift(u * su, p * sp), expected)
+    # Below the floor eps on |u||p| the cosine is scaled down, as documented.
+    assert trajectory_drift(u * 1e-30, p * 1e-25).abs().max() < 1e-20
+    zero = trajectory_drift(torch.zeros(2, 6), torch.ones(2, 6))
+    assert torch.equal(zero, torch.zeros(2))
+
+
+def test_sinkhorn_rejects_an_epsilon_that_overflows_the_scores(gen):
+    s = randn(gen, 4, 4).float()
+    with pytest.raises(ValueError, match=r"epsilon: 1e-40 is too small .* overflows"):
+        CF.sinkhorn(s, 1e-40)
+
+
+def test_siglip_scale_and_bias_bounds(gen):
+    a, t = randn(gen, 4, 5), randn(gen, 4, 5)
+    with pytest.raises(ValueError, match="scale: 1e\\+40 exceeds 10000"):
+        CF.siglip(a, t, 1e40, 0.0)
+    with pytest.raises(ValueError, match=r"bias: \|1e\+40\| exceeds 10000"):
+        CF.siglip(a, t, 10.0, 1e40)
+    with pytest.raises(ValueError, match="scale_init: 1e-300 is outside"):
+        SigLIPLoss(scale_init=1e-300)
+    with pytest.raises(ValueError, match="bias_init: must be finite"):
+        SigLIPLoss(bias_init=float("nan"))
+
+
+def test_meta_tensors_raise_naming_the_argument(gen):
+    a = randn(gen, 4, 5)
+    with pytest.raises(ValueError, match="audio: on device meta"):
+        CF.info_nce(a.to("meta"), a.to("meta"))  # both meta: no device mismatch to report
+    with pytest.raises(ValueError, match="queries: on device meta, which holds no values"):
+        _bank(gen).search(torch.zeros(2, 4, device="meta"), 1)
+
+
+def test_bank_search_rejects_queries_whose_scores_overflow(gen):
+    q = torch.full((1, 4), 3e38)
+    with pytest.raises(ValueError, match="queries: a row norm exceeds float32's max"):
+        _bank(gen).search(q, 1)

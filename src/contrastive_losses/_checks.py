@@ -26,6 +26,16 @@ def check_tensor(x: object, name: str) -> Tensor:
     return x
 
 
+def check_materialised(x: Tensor, name: str) -> None:
+    """Not on the meta device, which holds shapes but no values to check or compute with.
+
+    Called by the value checks, after the device checks (which word a meta tensor next to
+    a CPU one as a device mismatch).
+    """
+    if x.device.type == "meta":
+        raise ValueError(f"{name}: on device meta, which holds no values; materialise it first")
+
+
 def check_float(x: Tensor, name: str) -> None:
     """``x`` must have a floating dtype (float16, bfloat16, float32, float64)."""
     if not torch.is_floating_point(x):
@@ -34,6 +44,7 @@ def check_float(x: Tensor, name: str) -> None:
 
 def check_finite(x: Tensor, name: str) -> None:
     """No NaN or Inf. One host sync; cheap next to the matmuls of any loss."""
+    check_materialised(x, name)
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name}: contains {bad} NaN/Inf value(s) (shape {_shape(x)})")
@@ -84,6 +95,7 @@ def row_norms(
     The second value is True when every norm lies in ``[sqrt(tiny), sqrt(max)]``, where
     ``1/norm**2`` and ``x @ y.T`` for unit ``y`` are finite too (fused fast paths need it).
     """
+    check_materialised(x, name)
     norms = torch.linalg.vector_norm(x.detach(), dim=-1)
     fi = torch.finfo(x.dtype)
     if nonzero:
@@ -245,6 +257,7 @@ def check_mask(mask: object, name: str, shape: tuple[int, ...], ref: Tensor) -> 
         raise TypeError(f"{name}: expected a bool tensor, got dtype {mask.dtype}")
     if mask.device != ref.device:
         raise ValueError(f"{name}: on device {mask.device} but the embeddings are on {ref.device}")
+    check_materialised(mask, name)
     empty = ~mask.flatten(1).any(dim=1) if mask.dim() > 1 else ~mask
     if bool(empty.any()):
         rows = torch.nonzero(empty).flatten().tolist()[:10]

@@ -22,6 +22,7 @@ from ._checks import (
     check_embeddings,
     check_finite,
     check_int,
+    check_materialised,
     check_row_norms,
     check_tensor,
     stable_row_norms,
@@ -55,6 +56,7 @@ def _faiss_available() -> bool:
 
 def _check_int_ids(ids: object, name: str, n: int) -> Tensor:
     ids = check_tensor(ids, name)
+    check_materialised(ids, name)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor, got dtype {ids.dtype}")
     if ids.dim() != 1 or ids.shape[0] != n:
@@ -482,6 +484,14 @@ class KnowledgeBank:
             )
         check_int(k, "k", 1)
         check_finite(queries, "queries")  # a NaN query ranks rows arbitrarily
+        # Scores are float32 inner products with unit rows: |score| <= ||query||.
+        norms = stable_row_norms(queries)
+        limit = torch.finfo(torch.float32).max
+        if bool((norms > limit).any()):
+            raise ValueError(
+                f"queries: a row norm exceeds float32's max {limit:.3g}, so its scores "
+                "overflow; normalise the queries"
+            )
         return queries
 
     def _check_query(
@@ -669,7 +679,7 @@ class KnowledgeBank:
     def _check_state_rows(self, state: dict[str, Any]) -> int:
         """Shapes of a state's tensors agree with each other and the bank; returns ``N``."""
         for key in ("audio", "text", "ids", "prototype_audio", "prototype_text"):
-            check_tensor(state[key], f"state['{key}']")
+            check_materialised(check_tensor(state[key], f"state['{key}']"), f"state['{key}']")
         n = state["ids"].shape[0] if state["ids"].dim() == 1 else -1
         if n < 0 or state["ids"].dtype.is_floating_point or state["ids"].dtype == torch.bool:
             raise ValueError(

@@ -82,7 +82,11 @@ def l2_normalize(x: Tensor, norms: Tensor | None = None) -> Tensor:
     NaN/Inf, zero rows and norms whose reciprocal overflows raise ``ValueError``.
     """
     if norms is None:
-        norms = _checks.check_row_norms(_checks.check_tensor(x, "x"), "x")
+        x = _checks.check_tensor(x, "x")
+        _checks.check_float(x, "x")
+        if x.dim() == 0 or x.shape[-1] == 0:
+            raise ValueError(f"x: expected shape (..., D) with D > 0, got {tuple(x.shape)}")
+        norms = _checks.check_row_norms(x, "x")
     return _L2Normalize.apply(x, 1.0 / norms)
 
 
@@ -100,8 +104,18 @@ def _embeddings(x: object, name: str, dims: str, normalize: bool, min_batch: int
 MIN_TEMPERATURE = 1e-4
 
 
+def _check_scale(scale: float | Tensor) -> None:
+    """SigLIP's logit scale :math:`c = 1/\\tau`: the bound of :func:`_temperature`."""
+    value = _checks.check_positive(scale, "scale")
+    if value > 1 / MIN_TEMPERATURE:
+        raise ValueError(
+            f"scale: {value:.3g} exceeds {1 / MIN_TEMPERATURE:g}, the largest logit scale "
+            f"(1/temperature) the losses accept"
+        )
+
+
 def _check_bias(bias: float | Tensor) -> None:
-    """A finite real scalar (SigLIP's bias may be negative or zero)."""
+    """A finite real scalar (SigLIP's bias may be negative or zero) of moderate size."""
     if isinstance(bias, Tensor):
         if bias.numel() != 1:
             raise ValueError(f"bias: expected a scalar, got shape {tuple(bias.shape)}")
@@ -113,6 +127,8 @@ def _check_bias(bias: float | Tensor) -> None:
         raise TypeError(f"bias: expected a float or a 0-d tensor, got {type(bias).__name__}")
     if value != value or abs(value) == float("inf"):
         raise ValueError(f"bias: must be finite, got {value}")
+    if abs(value) > 1 / MIN_TEMPERATURE:  # a logit of its own: the same bound as the scale
+        raise ValueError(f"bias: |{value:.3g}| exceeds {1 / MIN_TEMPERATURE:g}")
 
 
 def _temperature(temperature: float | Tensor) -> None:
@@ -332,7 +348,7 @@ def siglip(
     enabled = resolve_gather(gather)
     with validate_together(enabled, audio) as v:
         _checks.check_reduction(reduction)
-        _checks.check_positive(scale, "scale")
+        _check_scale(scale)
         _check_bias(bias)
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
         t = _embeddings(text, "text", "(B, D)", normalize, v.min_batch)
@@ -706,7 +722,8 @@ def sample_languages(
         True
     """
     if isinstance(mask_or_num_languages, Tensor):
-        mask = mask_or_num_languages
+        mask = _checks.check_tensor(mask_or_num_languages, "mask_or_num_languages")
+        _checks.check_materialised(mask, "mask_or_num_languages")
         if mask.dim() != 2 or mask.dtype != torch.bool:
             raise ValueError(
                 "mask_or_num_languages: expected a bool (B, K) mask, got "
@@ -725,6 +742,7 @@ def sample_languages(
             f"{type(mask_or_num_languages).__name__}"
         )
     k_langs = mask.shape[1]
+    _checks.check_int(english_index, "english_index", 0)
     if not 0 <= english_index < k_langs:
         raise ValueError(f"english_index: {english_index} is outside [0, {k_langs})")
     weights = mask.to(torch.float32)

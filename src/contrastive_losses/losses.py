@@ -185,6 +185,18 @@ class SigLIPLoss(nn.Module):
     ) -> None:
         super().__init__()
         _checks.check_positive(scale_init, "scale_init")
+        if not torch.finfo(torch.float32).tiny <= scale_init <= 1.0 / CF.MIN_TEMPERATURE:
+            raise ValueError(
+                f"scale_init: {scale_init:g} is outside [{torch.finfo(torch.float32).tiny:.3g}, "
+                f"{1.0 / CF.MIN_TEMPERATURE:g}] (the logit scale is 1/temperature)"
+            )
+        if isinstance(bias_init, bool) or not isinstance(bias_init, (int, float)):
+            raise TypeError(f"bias_init: expected a float, got {type(bias_init).__name__}")
+        if not abs(bias_init) <= 1.0 / CF.MIN_TEMPERATURE:  # False for NaN too
+            raise ValueError(
+                f"bias_init: must be finite with |bias_init| <= {1.0 / CF.MIN_TEMPERATURE:g}, "
+                f"got {bias_init}"
+            )
         _checks.check_reduction(reduction)
         log_scale = torch.tensor(math.log(scale_init))
         bias = torch.tensor(float(bias_init))
