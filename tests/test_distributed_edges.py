@@ -6,15 +6,13 @@ waiting in the first collective: the spawn below has a deadline, so a hang fails
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import assert_ddp_average_matches, free_port, rank_data
+from helpers import assert_ddp_average_matches, rank_data, spawn_ranks
 
 from contrastive_losses import functional as CF
 
@@ -79,17 +77,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist_edges")
-    ctx = mp.start_processes(
-        _worker, args=(2, free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the 2-rank run did not finish in {DEADLINE_S} s (a rank hangs)")
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("dist_edges"), deadline_s=DEADLINE_S)
 
 
 @pytest.mark.parametrize("name", list(_losses(gather=False)))

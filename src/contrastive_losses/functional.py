@@ -190,6 +190,18 @@ def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
     _checks.check_same_device_dtype([(a, a_name), (b, b_name)])
 
 
+def _pair_and_ids(
+    audio: object, text: object, ids: object | None, normalize: bool, min_batch: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Validated (and normalised) ``(B, D)`` audio and text, and optional ``(B,)`` ids."""
+    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch)
+    t = _embeddings(text, "text", "(B, D)", normalize, min_batch)
+    _check_pair(a, "audio", t, "text")
+    if ids is not None:
+        ids = _checks.check_ids(ids, "ids", a.shape[0], a)
+    return a, t, ids
+
+
 def _info_nce_rows(
     a: Tensor,
     t: Tensor,
@@ -284,11 +296,7 @@ def info_nce(
     with validate_together(enabled, audio) as v:
         _checks.check_reduction(reduction)
         _temperature(temperature)
-        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
-        t = _embeddings(text, "text", "(B, D)", normalize, v.min_batch)
-        _check_pair(a, "audio", t, "text")
-        if ids is not None:
-            ids = _checks.check_ids(ids, "ids", a.shape[0], a)
+        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
         v.batch = a.shape[0]
     a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
@@ -350,11 +358,7 @@ def siglip(
         _checks.check_reduction(reduction)
         _check_scale(scale)
         _check_bias(bias)
-        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
-        t = _embeddings(text, "text", "(B, D)", normalize, v.min_batch)
-        _check_pair(a, "audio", t, "text")
-        if ids is not None:
-            ids = _checks.check_ids(ids, "ids", a.shape[0], a)
+        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
         v.batch = a.shape[0]
     t_all, offset = _gather(t, enabled)
     logits = scale * (a @ t_all.T) + bias  # (b, N)
