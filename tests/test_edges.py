@@ -94,13 +94,13 @@ def test_learnable_temperature_never_passes_its_bound(gen):
     # loss, so the gradient points past the bound and is cut there.
     a = torch.eye(8) * 0.1 + 1.0
     opt = torch.optim.SGD(loss_fn.parameters(), lr=1.0)
-    start = float(loss_fn.log_logit_scale)
+    start = float(loss_fn.log_logit_scale.detach())
     for _ in range(3):
         opt.zero_grad()
         loss_fn(a, a).backward()
         assert float(loss_fn.log_logit_scale.grad) == 0
         opt.step()
-    assert float(loss_fn.log_logit_scale) == start
+    assert float(loss_fn.log_logit_scale.detach()) == start
     torch.testing.assert_close(loss_fn.temperature, torch.tensor(0.01))
 
 

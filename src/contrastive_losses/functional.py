@@ -275,7 +275,7 @@ def info_nce(
     Args:
         audio: audio embeddings ``(B, D)``.
         text: text embeddings ``(B, D)``; ``text[i]`` is the positive of ``audio[i]``.
-        temperature: :math:`\tau > 0`, a float or a 0-d tensor (learnable).
+        temperature: :math:`\tau \ge 10^{-4}`, a float or a 0-d tensor (learnable).
         ids: optional integer ``(B,)`` sample ids; equal ids are positives.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-sample ``(B,)``).
@@ -503,9 +503,10 @@ def kcl(
     Args:
         audio: ``(B, D)``.
         text: ``(B, K, D)``; ``text[i, k]`` is the caption of clip ``i`` in language ``k``.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau \ge 10^{-4}`.
         mask: optional bool ``(B, K)``; ``True`` where the caption exists. Every clip
-            needs at least one caption.
+            needs at least one caption. Absent captions may be zero rows (padding) but
+            must be finite (a NaN would reach the present rows' gradients).
         negatives: ``"per_language"`` or ``"all_languages"``.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"``, ``"sum"``, or ``"none"``: per pair ``(B, K)``, the mean of
@@ -647,7 +648,7 @@ def cacl(
         audio: ``(B, D)``.
         english: English captions ``(B, D)``.
         other: captions in the other language ``(B, D)``.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau \ge 10^{-4}`.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (``(B,)``, mean of the three terms).
         gather: all-gather across ranks.
