@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from helpers import assert_ddp_average_matches, rank_data, spawn_ranks
 
+from contrastive_losses import KnowledgeBank
 from contrastive_losses import functional as CF
 
 # name -> (sizes per rank, rank holding a NaN or None)
@@ -23,6 +24,10 @@ CASES = {
     "0+2": ((0, 2), None),
     "1+0": ((1, 0), None),
     "nan_on_rank1": ((2, 2), 1),
+}
+BANK_CASES = {
+    "bank 0+3": ((0, 3), None),
+    "bank nan_on_rank0": ((2, 3), 0),
 }
 DEADLINE_S = 240  # the whole spawn; gloo's own timeout below is shorter
 
@@ -44,8 +49,8 @@ def _rows(sizes: tuple[int, ...], rank: int) -> slice:
     return slice(lo, lo + sizes[rank])
 
 
-def _case_data(case: str) -> dict[str, torch.Tensor]:
-    sizes, nan_rank = CASES[case]
+def _case_data(case: str, cases: dict = CASES) -> dict[str, torch.Tensor]:
+    sizes, nan_rank = cases[case]
     data = {k: v[: sum(sizes)].clone() for k, v in rank_data().items() if k != "ids"}
     if nan_rank is not None:
         data["audio"][_rows(sizes, nan_rank).start, 1] = float("nan")
@@ -70,6 +75,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     continue
                 loss.backward()
                 results[case, name] = (loss.detach(), a.grad, t.grad)
+        for case, (sizes, _) in BANK_CASES.items():
+            data = _case_data(case, BANK_CASES)
+            rows = _rows(sizes, rank)
+            kb = KnowledgeBank(4, backend="torch", num_prototypes=0)
+            try:
+                kb.build(data["audio"][rows], data["text"][rows, 0], torch.arange(sum(sizes))[rows])
+                results[case, "bank"] = kb.state_dict()
+            except (ValueError, TypeError) as err:
+                results[case, "bank"] = ("error", type(err).__name__, str(err))
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -106,3 +120,16 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(rank_results, case, messag
     kind, text = outcomes[0][0], outcomes[0][2]
     assert kind == "error" and outcomes[0][1] == "ValueError"
     assert __import__("re").search(message, text), text
+
+
+def test_a_bank_build_with_an_empty_rank_or_a_nan_on_one_rank(rank_results):
+    data = _case_data("bank 0+3", BANK_CASES)
+    ref = KnowledgeBank(4, backend="torch", num_prototypes=0)
+    ref.build(data["audio"], data["text"][:, 0], torch.arange(3))
+    for r in rank_results:
+        torch.testing.assert_close(r["bank 0+3", "bank"]["audio"], ref.audio)
+    outcomes = [r["bank nan_on_rank0", "bank"] for r in rank_results]
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == "error"
+    assert outcomes[0][2].startswith("audio_emb: contains 1 NaN/Inf"), outcomes[0]
+    assert outcomes[0][2].endswith("(on rank 0; every rank raises it)"), outcomes[0]

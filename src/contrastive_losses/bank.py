@@ -27,6 +27,7 @@ from ._checks import (
     check_tensor,
     stable_row_norms,
 )
+from .distributed import validate_together
 
 __all__ = ["KnowledgeBank"]
 
@@ -300,26 +301,44 @@ class KnowledgeBank:
         > 1) every rank contributes its rows (sizes may differ) and every rank ends with the
         same bank, rows in rank order; the prototypes are computed on rank 0 and broadcast.
         """
-        audio_emb = check_embeddings(audio_emb, "audio_emb", ndim=2, dims="(N, D)", min_batch=1)
-        text_emb = check_embeddings(text_emb, "text_emb", ndim=2, dims="(N, D)", min_batch=1)
-        for x, name in ((audio_emb, "audio_emb"), (text_emb, "text_emb")):
-            if x.shape[1] != self.dim:
-                raise ValueError(
-                    f"{name}: embedding dim {x.shape[1]} does not match the bank's dim "
-                    f"{self.dim} (shape {_shape(x)})"
-                )
-        if text_emb.shape[0] != audio_emb.shape[0]:
-            raise ValueError(
-                f"text_emb: {text_emb.shape[0]} rows but audio_emb has {audio_emb.shape[0]}; "
-                "the bank stores pairs"
-            )
-        ids = _check_int_ids(ids, "ids", audio_emb.shape[0]).to(audio_emb.device)
-        audio = _unit_rows(audio_emb, "audio_emb")
-        text = _unit_rows(text_emb.to(audio.device), "text_emb")
         distributed = _dist_world() > 1 if gather is None else bool(gather)
+        if distributed and not torch.distributed.is_initialized():
+            raise ValueError("gather: True but torch.distributed is not initialised")
+        # Under gather every rank raises together (no rank left waiting in the gather);
+        # a rank may contribute no row as long as the bank gets one.
+        with validate_together(distributed, audio_emb, name="audio_emb", min_global=1) as v:
+            audio_emb = check_embeddings(
+                audio_emb,
+                "audio_emb",
+                ndim=2,
+                dims="(N, D)",
+                min_batch=v.min_batch,
+                check_values=False,
+            )
+            text_emb = check_embeddings(
+                text_emb,
+                "text_emb",
+                ndim=2,
+                dims="(N, D)",
+                min_batch=v.min_batch,
+                check_values=False,
+            )
+            for x, name in ((audio_emb, "audio_emb"), (text_emb, "text_emb")):
+                if x.shape[1] != self.dim:
+                    raise ValueError(
+                        f"{name}: embedding dim {x.shape[1]} does not match the bank's dim "
+                        f"{self.dim} (shape {_shape(x)})"
+                    )
+            if text_emb.shape[0] != audio_emb.shape[0]:
+                raise ValueError(
+                    f"text_emb: {text_emb.shape[0]} rows but audio_emb has {audio_emb.shape[0]}; "
+                    "the bank stores pairs"
+                )
+            ids = _check_int_ids(ids, "ids", audio_emb.shape[0]).to(audio_emb.device)
+            audio = _unit_rows(audio_emb, "audio_emb")
+            text = _unit_rows(text_emb, "text_emb").to(audio.device)
+            v.batch = audio_emb.shape[0]
         if distributed:
-            if _dist_world() == 1 and not torch.distributed.is_initialized():
-                raise ValueError("gather: True but torch.distributed is not initialised")
             audio, text, ids = (
                 _all_gather_rows(audio),
                 _all_gather_rows(text),
