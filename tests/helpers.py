@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -31,10 +33,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(worker: Callable[..., None], out_dir: Path, world: int = 2) -> list[dict]:
+def spawn_ranks(
+    worker: Callable[..., None], out_dir: Path, world: int = 2, deadline_s: float = 300
+) -> list[dict]:
     """Run ``worker(rank, world, port, out_dir)`` in ``world`` gloo processes; each saves
-    ``out_dir/rank{r}.pt``. Returns the loaded results in rank order."""
-    mp.spawn(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True)
+    ``out_dir/rank{r}.pt``. Returns the loaded results in rank order. Past ``deadline_s``
+    the processes are killed and the test fails: a rank waiting forever in a collective
+    is a failure, not a stuck CI job."""
+    ctx = mp.start_processes(
+        worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=False
+    )
+    deadline = time.monotonic() + deadline_s
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish in {deadline_s:g} s (a rank hangs)")
     return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
 
 

@@ -26,6 +26,16 @@ def check_tensor(x: object, name: str) -> Tensor:
     return x
 
 
+def check_materialised(x: Tensor, name: str) -> None:
+    """Not on the meta device, which holds shapes but no values to check or compute with.
+
+    Called by the value checks, after the device checks (which word a meta tensor next to
+    a CPU one as a device mismatch).
+    """
+    if x.device.type == "meta":
+        raise ValueError(f"{name}: on device meta, which holds no values; materialise it first")
+
+
 def check_float(x: Tensor, name: str) -> None:
     """``x`` must have a floating dtype (float16, bfloat16, float32, float64)."""
     if not torch.is_floating_point(x):
@@ -34,40 +44,91 @@ def check_float(x: Tensor, name: str) -> None:
 
 def check_finite(x: Tensor, name: str) -> None:
     """No NaN or Inf. One host sync; cheap next to the matmuls of any loss."""
+    check_materialised(x, name)
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name}: contains {bad} NaN/Inf value(s) (shape {_shape(x)})")
 
 
-def check_nonzero_rows(x: Tensor, name: str) -> None:
-    """Every embedding (last dim) must have a non-zero norm, else normalising divides by 0."""
-    norms = x.detach().abs().amax(dim=-1)
-    if not bool((norms > 0).all()):
-        idx = torch.nonzero(norms == 0)[0].tolist()
-        raise ValueError(
-            f"{name}: embedding at index {tuple(idx)} is all zeros; it has no direction "
-            "to normalise (check the encoder output or the padding)"
-        )
+def _index(flags: Tensor) -> tuple[int, ...]:
+    return tuple(torch.nonzero(flags)[0].tolist())
 
 
-def check_row_norms(x: Tensor, name: str, *, nonzero: bool = True) -> Tensor:
+def stable_row_norms(x: Tensor) -> Tensor:
+    """L2 norms of ``x``'s rows (last dim) with no overflow or underflow of the squares.
+
+    Each row is divided by its largest magnitude before squaring (in float32 at least),
+    so entries up to the dtype's max and down to its smallest subnormal give the exact
+    norm. Detached; float32 (float64 for float64 ``x``).
+    """
+    xd = x.detach() if x.dtype == torch.float64 else x.detach().float()
+    peak = xd.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(peak > 0, peak, torch.ones_like(peak))
+    return torch.linalg.vector_norm(xd / safe, dim=-1) * safe.squeeze(-1)
+
+
+def check_row_norms(
+    x: Tensor, name: str, *, nonzero: bool = True, mask: Tensor | None = None
+) -> Tensor:
+    """Return the L2 norms of ``x``'s rows (last dim); see :func:`row_norms`."""
+    return row_norms(x, name, nonzero=nonzero, mask=mask)[0]
+
+
+def row_norms(
+    x: Tensor, name: str, *, nonzero: bool = True, mask: Tensor | None = None
+) -> tuple[Tensor, bool]:
     """Return the L2 norms of ``x``'s rows (last dim), validating values on the way.
 
-    One reduction and one host sync cover both NaN/Inf and zero rows: a row with a NaN
-    has a NaN norm, a row with an Inf an infinite one. Only when something is off do we
-    look at ``x`` element-wise to say exactly what.
+    One reduction and one host sync cover NaN/Inf, zero rows and norms whose squares
+    overflow or underflow: a row with a NaN has a NaN norm, a row with an Inf an infinite
+    one, and the fast norm is exact only in ``[sqrt(tiny), sqrt(max)]`` of the dtype.
+    Only when something is off do we look closer: rows outside that range get a norm
+    computed stably (:func:`stable_row_norms`), and with ``nonzero`` a norm whose
+    reciprocal is not finite in the dtype (``norm < 1/max`` or ``norm > max``) raises, as
+    normalising it would give NaN or a zero embedding.
+
+    ``mask`` (bool, ``x.shape[:-1]``) marks present rows: absent rows may be all zeros
+    (the usual padding of a missing caption) and get norm 1, so they normalise to zeros.
+    They must still be finite: a NaN would reach the gradient of the present rows through
+    the matmuls (0 * NaN), and zeroing absent rows costs a full copy of ``x``.
+
+    The second value is True when every norm lies in ``[sqrt(tiny), sqrt(max)]``, where
+    ``1/norm**2`` and ``x @ y.T`` for unit ``y`` are finite too (fused fast paths need it).
     """
+    check_materialised(x, name)
     norms = torch.linalg.vector_norm(x.detach(), dim=-1)
-    ok = torch.isfinite(norms)
+    fi = torch.finfo(x.dtype)
     if nonzero:
-        ok &= norms > 0
-    if not bool(ok.all()):
-        check_finite(x, name)
-        if nonzero:
-            check_nonzero_rows(x, name)
-        # Finite values whose squares overflow (float16 > ~256): normalise in float32.
-        norms = torch.linalg.vector_norm(x.detach().float(), dim=-1).to(x.dtype)
-    return norms
+        ok = (norms >= fi.tiny**0.5) & (norms <= fi.max**0.5)  # False for NaN too
+        if mask is not None:
+            ok |= (norms == 0) & ~mask
+    else:
+        ok = torch.isfinite(norms)
+    if bool(ok.all()):
+        return (norms if mask is None or not nonzero else norms.masked_fill(norms == 0, 1)), True
+    check_finite(x, name)
+    norms = stable_row_norms(x)
+    if not nonzero:
+        return norms.to(x.dtype), False
+    zero = norms == 0
+    if mask is not None:
+        norms = torch.where(zero & ~mask, torch.ones_like(norms), norms)
+        zero = zero & mask
+    if bool(zero.any()):
+        raise ValueError(
+            f"{name}: embedding at index {_index(zero)} is all zeros; it has no direction "
+            "to normalise (check the encoder output, or mark padded rows absent in mask)"
+        )
+    lo, hi = 1.0 / fi.max, fi.max
+    bad = (norms < lo) | (norms > hi)
+    if bool(bad.any()):
+        idx = _index(bad)
+        raise ValueError(
+            f"{name}: embedding at index {idx} has L2 norm {float(norms[idx]):.3g}, outside "
+            f"[{lo:.3g}, {hi:.3g}] where {x.dtype} can normalise it (1/norm must be finite "
+            "and non-zero); rescale the embeddings or use a wider dtype"
+        )
+    return norms.to(x.dtype), False
 
 
 def check_embeddings(
@@ -97,8 +158,7 @@ def check_embeddings(
     if x.shape[-1] == 0:
         raise ValueError(f"{name}: embedding dimension D is 0 (shape {_shape(x)})")
     if check_values:
-        check_finite(x, name)
-        check_nonzero_rows(x, name)
+        check_row_norms(x, name)
     return x
 
 
@@ -127,8 +187,8 @@ def check_same_device_dtype(tensors: Sequence[tuple[Tensor, str]]) -> None:
             )
 
 
-def check_positive(value: float | Tensor, name: str) -> None:
-    """A strictly positive scalar (temperature, epsilon, ...)."""
+def check_positive(value: float | Tensor, name: str) -> float:
+    """A strictly positive finite scalar (temperature, epsilon, ...); returns it as a float."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name}: expected a scalar, got shape {_shape(value)}")
@@ -139,6 +199,7 @@ def check_positive(value: float | Tensor, name: str) -> None:
         raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
     if not v > 0 or v != v or v == float("inf"):
         raise ValueError(f"{name}: must be a finite number > 0, got {v}")
+    return v
 
 
 def check_non_negative(value: float, name: str) -> None:
@@ -196,7 +257,8 @@ def check_mask(mask: object, name: str, shape: tuple[int, ...], ref: Tensor) -> 
         raise TypeError(f"{name}: expected a bool tensor, got dtype {mask.dtype}")
     if mask.device != ref.device:
         raise ValueError(f"{name}: on device {mask.device} but the embeddings are on {ref.device}")
-    empty = ~mask.reshape(mask.shape[0], -1).any(dim=1)
+    check_materialised(mask, name)
+    empty = ~mask.flatten(1).any(dim=1) if mask.dim() > 1 else ~mask
     if bool(empty.any()):
         rows = torch.nonzero(empty).flatten().tolist()[:10]
         raise ValueError(f"{name}: sample(s) {rows} have no present caption (an all-False row)")

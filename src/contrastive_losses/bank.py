@@ -9,14 +9,25 @@ from __future__ import annotations
 import importlib
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import _shape, check_choice, check_embeddings, check_int, check_tensor
+from ._checks import (
+    _shape,
+    check_choice,
+    check_embeddings,
+    check_finite,
+    check_int,
+    check_materialised,
+    check_row_norms,
+    check_tensor,
+    stable_row_norms,
+)
+from .distributed import validate_together
 
 __all__ = ["KnowledgeBank"]
 
@@ -46,6 +57,7 @@ def _faiss_available() -> bool:
 
 def _check_int_ids(ids: object, name: str, n: int) -> Tensor:
     ids = check_tensor(ids, name)
+    check_materialised(ids, name)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor, got dtype {ids.dtype}")
     if ids.dim() != 1 or ids.shape[0] != n:
@@ -53,6 +65,16 @@ def _check_int_ids(ids: object, name: str, n: int) -> Tensor:
             f"{name}: expected shape ({n},) matching the embeddings, got {_shape(ids)}"
         )
     return ids.long()
+
+
+def _unit_rows(x: Tensor, name: str) -> Tensor:
+    """Detached float32 unit rows; raises on NaN/Inf, zero rows and unrepresentable norms.
+
+    Not ``F.normalize``: its ``eps = 1e-12`` floor leaves rows with smaller norms
+    un-normalised, and in float32 rows with entries above ~1e19 become zeros.
+    """
+    check_row_norms(x, name)
+    return x.detach().float() / stable_row_norms(x).float().unsqueeze(-1)
 
 
 def _dist_world() -> int:
@@ -284,26 +306,44 @@ class KnowledgeBank:
         > 1) every rank contributes its rows (sizes may differ) and every rank ends with the
         same bank, rows in rank order; the prototypes are computed on rank 0 and broadcast.
         """
-        audio_emb = check_embeddings(audio_emb, "audio_emb", ndim=2, dims="(N, D)", min_batch=1)
-        text_emb = check_embeddings(text_emb, "text_emb", ndim=2, dims="(N, D)", min_batch=1)
-        for x, name in ((audio_emb, "audio_emb"), (text_emb, "text_emb")):
-            if x.shape[1] != self.dim:
-                raise ValueError(
-                    f"{name}: embedding dim {x.shape[1]} does not match the bank's dim "
-                    f"{self.dim} (shape {_shape(x)})"
-                )
-        if text_emb.shape[0] != audio_emb.shape[0]:
-            raise ValueError(
-                f"text_emb: {text_emb.shape[0]} rows but audio_emb has {audio_emb.shape[0]}; "
-                "the bank stores pairs"
-            )
-        ids = _check_int_ids(ids, "ids", audio_emb.shape[0]).to(audio_emb.device)
-        audio = F.normalize(audio_emb.detach().float(), dim=-1)
-        text = F.normalize(text_emb.detach().to(audio.device).float(), dim=-1)
         distributed = _dist_world() > 1 if gather is None else bool(gather)
+        if distributed and not torch.distributed.is_initialized():
+            raise ValueError("gather: True but torch.distributed is not initialised")
+        # Under gather every rank raises together (no rank left waiting in the gather);
+        # a rank may contribute no row as long as the bank gets one.
+        with validate_together(distributed, audio_emb, name="audio_emb", min_global=1) as v:
+            audio_emb = check_embeddings(
+                audio_emb,
+                "audio_emb",
+                ndim=2,
+                dims="(N, D)",
+                min_batch=v.min_batch,
+                check_values=False,
+            )
+            text_emb = check_embeddings(
+                text_emb,
+                "text_emb",
+                ndim=2,
+                dims="(N, D)",
+                min_batch=v.min_batch,
+                check_values=False,
+            )
+            for x, name in ((audio_emb, "audio_emb"), (text_emb, "text_emb")):
+                if x.shape[1] != self.dim:
+                    raise ValueError(
+                        f"{name}: embedding dim {x.shape[1]} does not match the bank's dim "
+                        f"{self.dim} (shape {_shape(x)})"
+                    )
+            if text_emb.shape[0] != audio_emb.shape[0]:
+                raise ValueError(
+                    f"text_emb: {text_emb.shape[0]} rows but audio_emb has {audio_emb.shape[0]}; "
+                    "the bank stores pairs"
+                )
+            ids = _check_int_ids(ids, "ids", audio_emb.shape[0]).to(audio_emb.device)
+            audio = _unit_rows(audio_emb, "audio_emb")
+            text = _unit_rows(text_emb, "text_emb").to(audio.device)
+            v.batch = audio_emb.shape[0]
         if distributed:
-            if _dist_world() == 1 and not torch.distributed.is_initialized():
-                raise ValueError("gather: True but torch.distributed is not initialised")
             audio, text, ids = (
                 _all_gather_rows(audio),
                 _all_gather_rows(text),
@@ -381,7 +421,7 @@ class KnowledgeBank:
         encode_fn: Callable[[Any], tuple[Tensor, Tensor, Tensor]],
         loader: Iterable[Any],
         *,
-        model: nn.Module | None = None,
+        model: nn.Module | Sequence[nn.Module] | None = None,
         device: torch.device | str | None = None,
         progress: bool = True,
         gather: bool | None = None,
@@ -398,18 +438,24 @@ class KnowledgeBank:
             encode_fn: ``batch -> (audio_emb (b, D), text_emb (b, D), ids (b,))``.
             loader: iterable of batches (e.g. a ``DataLoader``; under DDP each rank's
                 sharded loader; the shards are gathered, see :meth:`build`).
-            model: module whose mode is switched to eval during the pass.
+            model: module, or list/tuple of modules (e.g. ``[audio_encoder,
+                text_encoder]``), whose mode is switched to eval during the pass.
             device: where the bank is stored.
             progress: show a tqdm bar (when tqdm is installed).
             gather: see :meth:`build`.
         """
         target = torch.device(device) if device is not None else self.device
-        module = (
-            model
-            if model is not None
-            else (encode_fn if isinstance(encode_fn, nn.Module) else None)
-        )
-        modes = [(m, m.training) for m in module.modules()] if module is not None else []
+        modules: list[nn.Module] = []
+        if model is None:
+            modules = [encode_fn] if isinstance(encode_fn, nn.Module) else []
+        else:
+            many = isinstance(model, (list, tuple))
+            for pos, mod in enumerate(model if isinstance(model, (list, tuple)) else [model]):
+                if not isinstance(mod, nn.Module):
+                    where = f"model[{pos}]" if many else "model"
+                    raise TypeError(f"{where}: expected an nn.Module, got {type(mod).__name__}")
+                modules.append(mod)
+        modes = [(sub, sub.training) for mod in modules for sub in mod.modules()]
         batches: Iterable[Any] = loader
         if progress:
             try:
@@ -424,13 +470,13 @@ class KnowledgeBank:
         text_chunks: list[Tensor] = []
         id_chunks: list[Tensor] = []
         try:
-            if module is not None:
-                module.eval()
+            for mod in modules:
+                mod.eval()
             with torch.no_grad():
                 for batch in batches:
                     a, t, i = encode_fn(batch)
-                    audio_chunks.append(F.normalize(a.float(), dim=-1).to(target, self.dtype))
-                    text_chunks.append(F.normalize(t.float(), dim=-1).to(target, self.dtype))
+                    audio_chunks.append(_unit_rows(a, "encode_fn audio").to(target, self.dtype))
+                    text_chunks.append(_unit_rows(t, "encode_fn text").to(target, self.dtype))
                     id_chunks.append(torch.as_tensor(i).to(target))
         finally:
             for m, was_training in modes:
@@ -461,6 +507,15 @@ class KnowledgeBank:
                 f"{self.dim} (shape {_shape(queries)})"
             )
         check_int(k, "k", 1)
+        check_finite(queries, "queries")  # a NaN query ranks rows arbitrarily
+        # Scores are float32 inner products with unit rows: |score| <= ||query||.
+        norms = stable_row_norms(queries)
+        limit = torch.finfo(torch.float32).max
+        if bool((norms > limit).any()):
+            raise ValueError(
+                f"queries: a row norm exceeds float32's max {limit:.3g}, so its scores "
+                "overflow; normalise the queries"
+            )
         return queries
 
     def _check_query(
@@ -634,12 +689,36 @@ class KnowledgeBank:
             raise ValueError(f"state: missing key(s) {sorted(missing)}")
         if int(state["dim"]) != self.dim:
             raise ValueError(f"state: dim {state['dim']} does not match the bank's dim {self.dim}")
+        n = self._check_state_rows(state)
         self._clear()
         self.audio = state["audio"].to(self.dtype)
         self.text = state["text"].to(self.dtype)
         self.ids = state["ids"].long()
         self.prototype_audio = state["prototype_audio"].to(self.dtype)
         self.prototype_text = state["prototype_text"].to(self.dtype)
-        if len(self):
+        if n:
             self._max_dup = int(torch.unique(self.ids, return_counts=True)[1].max())
         return self
+
+    def _check_state_rows(self, state: dict[str, Any]) -> int:
+        """Shapes of a state's tensors agree with each other and the bank; returns ``N``."""
+        for key in ("audio", "text", "ids", "prototype_audio", "prototype_text"):
+            check_materialised(check_tensor(state[key], f"state['{key}']"), f"state['{key}']")
+        n = state["ids"].shape[0] if state["ids"].dim() == 1 else -1
+        if n < 0 or state["ids"].dtype.is_floating_point or state["ids"].dtype == torch.bool:
+            raise ValueError(
+                f"state['ids']: expected an integer (N,) tensor, got dtype "
+                f"{state['ids'].dtype} shape {_shape(state['ids'])}"
+            )
+        m = state["prototype_audio"].shape[0] if state["prototype_audio"].dim() == 2 else -1
+        for key, rows in (("audio", n), ("text", n), ("prototype_audio", m), ("prototype_text", m)):
+            x = state[key]
+            if x.dim() != 2 or x.shape[1] != self.dim or x.shape[0] != rows:
+                want = f"({n if rows == n else 'M'}, {self.dim})"
+                raise ValueError(
+                    f"state['{key}']: expected shape {want} (N = {n} ids), got {_shape(x)}"
+                )
+            if not x.dtype.is_floating_point:
+                raise TypeError(f"state['{key}']: expected a floating tensor, got {x.dtype}")
+            check_finite(x, f"state['{key}']")
+        return n

@@ -231,6 +231,7 @@ def trajectory_drift(update: Tensor, pull: Tensor, *, eps: float = 1e-12) -> Ten
     """
     update = _checks.check_tensor(update, "update")
     pull = _checks.check_tensor(pull, "pull")
+    _checks.check_positive(eps, "eps")
     _checks.check_float(update, "update")
     _checks.check_float(pull, "pull")
     if update.dim() < 1 or update.shape != pull.shape:
@@ -240,10 +241,17 @@ def trajectory_drift(update: Tensor, pull: Tensor, *, eps: float = 1e-12) -> Ten
     _checks.check_same_device_dtype([(update, "update"), (pull, "pull")])
     _checks.check_finite(update, "update")
     _checks.check_finite(pull, "pull")
+    # Each row divided by its largest magnitude first: entries near the dtype's max or
+    # min would overflow or underflow the dot product and the norms. The floor eps on
+    # |u||p| becomes eps / (s_u s_p) on the scaled norms (float64 scale product).
     u, p = update.detach(), pull.detach()
+    s_u, s_p = u.abs().amax(-1, keepdim=True), p.abs().amax(-1, keepdim=True)
+    u = u / torch.where(s_u > 0, s_u, torch.ones_like(s_u))
+    p = p / torch.where(s_p > 0, s_p, torch.ones_like(s_p))
     dot = (u * p).sum(-1)
-    norms = (u.norm(dim=-1) * p.norm(dim=-1)).clamp_min(eps)
-    return dot / norms
+    floor = eps / (s_u.squeeze(-1).double() * s_p.squeeze(-1).double())
+    norms = u.norm(dim=-1) * p.norm(dim=-1)
+    return dot / torch.maximum(norms, floor.to(norms.dtype))
 
 
 def out_of_batch_influence(

@@ -12,11 +12,22 @@ concatenated batch, and its gradient equals the single-process gradient.
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_no_grad", "all_gather_with_grad", "is_distributed", "resolve_gather"]
+__all__ = [
+    "all_gather_no_grad",
+    "all_gather_with_grad",
+    "is_distributed",
+    "resolve_gather",
+    "validate_together",
+]
 
 
 def is_distributed() -> bool:
@@ -36,6 +47,68 @@ def resolve_gather(gather: bool | None) -> bool:
             "(torch.distributed.init_process_group); pass gather=None to gather only when it is"
         )
     return gather
+
+
+@dataclass
+class Validation:
+    """What :func:`validate_together` hands to the checks: ``min_batch`` is the local
+    minimum (0 under gather, the global one otherwise); set ``batch`` to the local batch
+    size once the inputs are validated."""
+
+    min_batch: int
+    batch: int = 0
+
+
+@contextmanager
+def validate_together(
+    enabled: bool, ref: object, *, name: str = "audio", min_global: int = 2
+) -> Iterator[Validation]:
+    """Run a loss's input checks so that all ranks raise together or none does.
+
+    Without gathering this only passes ``min_batch = min_global`` to the checks. Under
+    gather a check that fails on one rank only would leave the other ranks waiting in the
+    first collective forever (a hang, not an error). So the checks run with no local
+    minimum (a rank may even hold no sample), and on leaving the block every rank shares,
+    in one small ``all_gather``, whether its checks failed and its batch size: if any rank failed,
+    every rank raises that rank's error (the lowest failing rank's, same type and
+    message everywhere); if the *global* batch is below ``min_global`` every rank raises
+    a ``ValueError`` naming ``name``. Splits 1 + 6 and 0 + 2 are legal, 1 + 0 is not.
+
+    ``ref`` is the first input; its device carries the collective (CPU when it is not a
+    tensor; the current CUDA device under NCCL).
+    """
+    v = Validation(min_batch=0 if enabled else min_global)
+    if not enabled:
+        yield v
+        return
+    error: Exception | None = None
+    try:
+        yield v
+    except Exception as err:  # re-raised below, on every rank
+        error = err
+    if dist.get_backend() == "nccl":  # NCCL only moves CUDA tensors, whatever ref is
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif isinstance(ref, Tensor) and ref.device.type != "meta":
+        device = ref.device
+    else:
+        device = torch.device("cpu")
+    flags = torch.tensor([int(error is not None), v.batch], device=device, dtype=torch.long)
+    gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flags)
+    failed = [r for r, f in enumerate(gathered) if int(f[0])]
+    if failed:
+        info = (type(error).__name__, str(error)) if error is not None else None
+        infos: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(infos, info)
+        kind, message = typing.cast(tuple[str, str], infos[failed[0]])
+        cls = TypeError if kind == "TypeError" else ValueError
+        raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
+    total = sum(int(f[1]) for f in gathered)
+    if total < min_global:
+        raise ValueError(
+            f"{name}: global batch size {total} over {len(gathered)} ranks is too small; a "
+            f"contrastive loss needs at least {min_global} samples so that each has a negative"
+        )
 
 
 def _local_sizes(n: int, device: torch.device) -> list[int]:

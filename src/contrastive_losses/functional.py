@@ -28,7 +28,12 @@ from torch import Tensor
 
 from . import _checks
 from .ask import ask  # ASK's maths lives beside its bank retrieval; re-exported here
-from .distributed import all_gather_no_grad, all_gather_with_grad, resolve_gather
+from .distributed import (
+    all_gather_no_grad,
+    all_gather_with_grad,
+    resolve_gather,
+    validate_together,
+)
 from .ot import sinkhorn
 
 __all__ = [
@@ -71,21 +76,69 @@ class _L2Normalize(torch.autograd.Function):
 
 
 def l2_normalize(x: Tensor, norms: Tensor | None = None) -> Tensor:
-    """Unit-norm rows (last dim); ``norms`` are ``x``'s row norms if already computed."""
+    """Unit-norm rows (last dim); ``norms`` are ``x``'s row norms if already computed.
+
+    Without ``norms`` they are computed and checked (:func:`_checks.check_row_norms`):
+    NaN/Inf, zero rows and norms whose reciprocal overflows raise ``ValueError``.
+    """
     if norms is None:
-        norms = torch.linalg.vector_norm(x.detach(), dim=-1)
+        x = _checks.check_tensor(x, "x")
+        _checks.check_float(x, "x")
+        if x.dim() == 0 or x.shape[-1] == 0:
+            raise ValueError(f"x: expected shape (..., D) with D > 0, got {tuple(x.shape)}")
+        norms = _checks.check_row_norms(x, "x")
     return _L2Normalize.apply(x, 1.0 / norms)
 
 
-def _embeddings(x: object, name: str, dims: str, normalize: bool) -> Tensor:
+def _embeddings(x: object, name: str, dims: str, normalize: bool, min_batch: int = 2) -> Tensor:
     """Validate an embedding input and (optionally) normalise it; one pass over ``x``."""
-    x = _checks.check_embeddings(x, name, ndim=dims.count(",") + 1, dims=dims, check_values=False)
+    x = _checks.check_embeddings(
+        x, name, ndim=dims.count(",") + 1, dims=dims, min_batch=min_batch, check_values=False
+    )
     norms = _checks.check_row_norms(x, name, nonzero=normalize)
     return l2_normalize(x, norms) if normalize else x
 
 
+# Below 1e-4 the logits (up to 1/temperature = 1e4) no longer fit float16's 65504 once
+# multiplied by a similarity sum, and the softmax is already a hard argmax in every dtype.
+MIN_TEMPERATURE = 1e-4
+
+
+def _check_scale(scale: float | Tensor) -> None:
+    """SigLIP's logit scale :math:`c = 1/\\tau`: the bound of :func:`_temperature`."""
+    value = _checks.check_positive(scale, "scale")
+    if value > 1 / MIN_TEMPERATURE:
+        raise ValueError(
+            f"scale: {value:.3g} exceeds {1 / MIN_TEMPERATURE:g}, the largest logit scale "
+            f"(1/temperature) the losses accept"
+        )
+
+
+def _check_bias(bias: float | Tensor) -> None:
+    """A finite real scalar (SigLIP's bias may be negative or zero) of moderate size."""
+    if isinstance(bias, Tensor):
+        if bias.numel() != 1:
+            raise ValueError(f"bias: expected a scalar, got shape {tuple(bias.shape)}")
+        _checks.check_float(bias, "bias")
+        value = float(bias.detach())
+    elif isinstance(bias, (int, float)) and not isinstance(bias, bool):
+        value = float(bias)
+    else:
+        raise TypeError(f"bias: expected a float or a 0-d tensor, got {type(bias).__name__}")
+    if value != value or abs(value) == float("inf"):
+        raise ValueError(f"bias: must be finite, got {value}")
+    if abs(value) > 1 / MIN_TEMPERATURE:  # a logit of its own: the same bound as the scale
+        raise ValueError(f"bias: |{value:.3g}| exceeds {1 / MIN_TEMPERATURE:g}")
+
+
 def _temperature(temperature: float | Tensor) -> None:
-    _checks.check_positive(temperature, "temperature")
+    value = _checks.check_positive(temperature, "temperature")
+    if value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature: {value:.3g} is below the smallest supported {MIN_TEMPERATURE:g} "
+            "(1/temperature scales the logits; beyond 1e4 they overflow float16 and the "
+            "softmax is a hard argmax)"
+        )
 
 
 @dataclass
@@ -135,6 +188,18 @@ def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
     _checks.check_same_size(a, a_name, b, b_name, 0, "batch size B")
     _checks.check_same_size(a, a_name, b, b_name, -1, "embedding dim D")
     _checks.check_same_device_dtype([(a, a_name), (b, b_name)])
+
+
+def _pair_and_ids(
+    audio: object, text: object, ids: object | None, normalize: bool, min_batch: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Validated (and normalised) ``(B, D)`` audio and text, and optional ``(B,)`` ids."""
+    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch)
+    t = _embeddings(text, "text", "(B, D)", normalize, min_batch)
+    _check_pair(a, "audio", t, "text")
+    if ids is not None:
+        ids = _checks.check_ids(ids, "ids", a.shape[0], a)
+    return a, t, ids
 
 
 def _info_nce_rows(
@@ -210,7 +275,7 @@ def info_nce(
     Args:
         audio: audio embeddings ``(B, D)``.
         text: text embeddings ``(B, D)``; ``text[i]`` is the positive of ``audio[i]``.
-        temperature: :math:`\tau > 0`, a float or a 0-d tensor (learnable).
+        temperature: :math:`\tau \ge 10^{-4}`, a float or a 0-d tensor (learnable).
         ids: optional integer ``(B,)`` sample ids; equal ids are positives.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-sample ``(B,)``).
@@ -227,14 +292,12 @@ def info_nce(
         >>> info_nce(audio, text, temperature=0.07).shape
         torch.Size([])
     """
-    _checks.check_reduction(reduction)
-    _temperature(temperature)
-    a = _embeddings(audio, "audio", "(B, D)", normalize)
-    t = _embeddings(text, "text", "(B, D)", normalize)
-    _check_pair(a, "audio", t, "text")
-    if ids is not None:
-        ids = _checks.check_ids(ids, "ids", a.shape[0], a)
     enabled = resolve_gather(gather)
+    with validate_together(enabled, audio) as v:
+        _checks.check_reduction(reduction)
+        _temperature(temperature)
+        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
+        v.batch = a.shape[0]
     a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     terms = {
@@ -290,16 +353,13 @@ def siglip(
         >>> siglip(torch.randn(8, 16), torch.randn(8, 16)).shape
         torch.Size([])
     """
-    _checks.check_reduction(reduction)
-    _checks.check_positive(scale, "scale")
-    if isinstance(bias, Tensor) and bias.numel() != 1:
-        raise ValueError(f"bias: expected a scalar, got shape {tuple(bias.shape)}")
-    a = _embeddings(audio, "audio", "(B, D)", normalize)
-    t = _embeddings(text, "text", "(B, D)", normalize)
-    _check_pair(a, "audio", t, "text")
-    if ids is not None:
-        ids = _checks.check_ids(ids, "ids", a.shape[0], a)
     enabled = resolve_gather(gather)
+    with validate_together(enabled, audio) as v:
+        _checks.check_reduction(reduction)
+        _check_scale(scale)
+        _check_bias(bias)
+        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
+        v.batch = a.shape[0]
     t_all, offset = _gather(t, enabled)
     logits = scale * (a @ t_all.T) + bias  # (b, N)
     if ids is None:
@@ -321,15 +381,21 @@ def siglip(
 
 
 def _text_and_mask(
-    audio: Tensor, text: object, mask: object | None, normalize: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Validated raw ``text`` ``(B, K, D)``, its row norms ``(B, K)`` and the mask."""
-    t = _checks.check_embeddings(text, "text", ndim=3, dims="(B, K, D)", check_values=False)
-    norms = _checks.check_row_norms(t, "text", nonzero=normalize)
+    audio: Tensor, text: object, mask: object | None, normalize: bool, min_batch: int = 2
+) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+    """Validated raw ``text`` ``(B, K, D)``, its row norms ``(B, K)``, the mask, and
+    whether the norms are moderate enough for the fused path (:func:`_checks.row_norms`)."""
+    t = _checks.check_embeddings(
+        text, "text", ndim=3, dims="(B, K, D)", min_batch=min_batch, check_values=False
+    )
+    if t.shape[1] == 0:
+        raise ValueError(f"text: K = 0 languages (shape {tuple(t.shape)}); need at least one")
     _check_pair(audio, "audio", t, "text")
     if mask is not None:
         mask = _checks.check_mask(mask, "mask", tuple(t.shape[:2]), t)
-    return t, norms, mask
+    # Absent captions may be zero rows (padding); they stay zero after normalising.
+    norms, moderate = _checks.row_norms(t, "text", nonzero=normalize, mask=mask)
+    return t, norms, mask, moderate
 
 
 class _NormalizedRowsMatmul(torch.autograd.Function):
@@ -437,9 +503,10 @@ def kcl(
     Args:
         audio: ``(B, D)``.
         text: ``(B, K, D)``; ``text[i, k]`` is the caption of clip ``i`` in language ``k``.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau \ge 10^{-4}`.
         mask: optional bool ``(B, K)``; ``True`` where the caption exists. Every clip
-            needs at least one caption.
+            needs at least one caption. Absent captions may be zero rows (padding) but
+            must be finite (a NaN would reach the present rows' gradients).
         negatives: ``"per_language"`` or ``"all_languages"``.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"``, ``"sum"``, or ``"none"``: per pair ``(B, K)``, the mean of
@@ -458,14 +525,23 @@ def kcl(
         >>> kcl(audio, text, mask=mask).shape
         torch.Size([])
     """
-    _checks.check_reduction(reduction)
-    _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
-    _temperature(temperature)
-    a = _embeddings(audio, "audio", "(B, D)", normalize)
-    t_raw, text_norms, m = _text_and_mask(a, text, mask, normalize)
     enabled = resolve_gather(gather)
-    # Single process, per-language negatives: normalise through the scores (fast path).
-    fused = normalize and not enabled and negatives == "per_language"
+    with validate_together(enabled, audio) as v:
+        _checks.check_reduction(reduction)
+        _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
+        _temperature(temperature)
+        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
+        t_raw, text_norms, m, moderate = _text_and_mask(a, text, mask, normalize, v.min_batch)
+        v.batch = a.shape[0]
+    # Single process, per-language negatives: normalise through the scores (fast path),
+    # unless 1/||t||^2 in its backward could overflow (norms below sqrt(tiny)).
+    fused = normalize and not enabled and negatives == "per_language" and moderate
+    out_dtype = a.dtype
+    if fused and out_dtype in (torch.float16, torch.bfloat16):
+        # The fused path's unnormalised scores t @ a.T and its 1/||t||^2 in backward
+        # overflow float16 (||t|| < 0.004 or > ~200): compute in float32, return the
+        # input dtype (autograd casts the gradients back).
+        a, t_raw, text_norms = a.float(), t_raw.float(), text_norms.float()
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
     b, k_langs, dim = t.shape
     a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
@@ -481,7 +557,7 @@ def kcl(
             # (K, b, N): this rank's captions against all audio, and its audio against
             # all captions of the same language.
             t2a_scores = t.transpose(0, 1) @ a_all.T
-            a2t_scores = (a @ t_all.reshape(-1, dim).T).reshape(b, -1, k_langs)
+            a2t_scores = (a @ t_all.reshape(-1, dim).T).reshape(b, t_all.shape[0], k_langs)
             a2t_scores = a2t_scores.permute(2, 0, 1)
         else:
             # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
@@ -513,7 +589,8 @@ def kcl(
                 ~m_all.reshape(1, -1), torch.finfo(a2t_logits.dtype).min
             )
             positives = positives & m_all[None]
-        a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, -1))[:, None]  # (b, 1)
+        n_cols = a_all.shape[0] * k_langs
+        a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, n_cols))[:, None]  # (b, 1)
         t2a_logits = t.reshape(-1, dim) @ a_all.T  # (b*K, N)
         target = (torch.arange(b, device=a.device) + offset).repeat_interleave(k_langs)
         t2a = F.cross_entropy(t2a_logits, target, reduction="none").reshape(b, k_langs)
@@ -525,7 +602,7 @@ def kcl(
     if enabled and m_all is None:
         count = batch.n_global * k_langs
     per_pair = (a2t + t2a) / 2  # (b, K)
-    loss = _reduce(per_pair, reduction, count, batch)
+    loss = _reduce(per_pair, reduction, count, batch).to(out_dtype)
     present = torch.ones_like(per_pair) if m_all is None else m_all.to(per_pair.dtype)
     terms = {
         "loss_a2t": _reduce(a2t, "mean", count, batch),
@@ -533,7 +610,7 @@ def kcl(
         # Each language's symmetric loss over its present pairs (local rows under gather).
         "loss_per_language": per_pair.sum(0) / present[offset : offset + b].sum(0).clamp_min(1),
     }
-    return _finish(loss, terms, return_terms)
+    return _finish(loss, {k: v.to(out_dtype) for k, v in terms.items()}, return_terms)
 
 
 # --------------------------------------------------------------------------- CACL
@@ -571,7 +648,7 @@ def cacl(
         audio: ``(B, D)``.
         english: English captions ``(B, D)``.
         other: captions in the other language ``(B, D)``.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau \ge 10^{-4}`.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (``(B,)``, mean of the three terms).
         gather: all-gather across ranks.
@@ -588,14 +665,16 @@ def cacl(
         >>> cacl(a, e, o).shape
         torch.Size([])
     """
-    _checks.check_reduction(reduction)
-    _temperature(temperature)
-    a = _embeddings(audio, "audio", "(B, D)", normalize)
-    e = _embeddings(english, "english", "(B, D)", normalize)
-    o = _embeddings(other, "other", "(B, D)", normalize)
-    _check_pair(a, "audio", e, "english")
-    _check_pair(a, "audio", o, "other")
     enabled = resolve_gather(gather)
+    with validate_together(enabled, audio) as v:
+        _checks.check_reduction(reduction)
+        _temperature(temperature)
+        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
+        e = _embeddings(english, "english", "(B, D)", normalize, v.min_batch)
+        o = _embeddings(other, "other", "(B, D)", normalize, v.min_batch)
+        _check_pair(a, "audio", e, "english")
+        _check_pair(a, "audio", o, "other")
+        v.batch = a.shape[0]
     per_sample: list[Tensor] = []
     terms: Terms = {}
     batch = _batch(0, a.shape[0], False)
@@ -648,7 +727,8 @@ def sample_languages(
         True
     """
     if isinstance(mask_or_num_languages, Tensor):
-        mask = mask_or_num_languages
+        mask = _checks.check_tensor(mask_or_num_languages, "mask_or_num_languages")
+        _checks.check_materialised(mask, "mask_or_num_languages")
         if mask.dim() != 2 or mask.dtype != torch.bool:
             raise ValueError(
                 "mask_or_num_languages: expected a bool (B, K) mask, got "
@@ -667,6 +747,7 @@ def sample_languages(
             f"{type(mask_or_num_languages).__name__}"
         )
     k_langs = mask.shape[1]
+    _checks.check_int(english_index, "english_index", 0)
     if not 0 <= english_index < k_langs:
         raise ValueError(f"english_index: {english_index} is outside [0, {k_langs})")
     weights = mask.to(torch.float32)

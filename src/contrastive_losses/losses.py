@@ -31,6 +31,27 @@ class ContrastivePair(NamedTuple):
     mask: Tensor | None = None
 
 
+class _UpperClamp(torch.autograd.Function):
+    """``min(x, bound)`` whose gradient at the bound still passes when descent moves
+    ``x`` back inside (gradient > 0), and only the outward part is cut.
+
+    A plain ``clamp`` zeroes the gradient at the bound, and ``log(1/0.01)`` rounds above
+    ``log(100)`` in float32: a temperature initialised at the bound would never move.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bound: float) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.bound = bound
+        return x.clamp(max=bound)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (x,) = ctx.saved_tensors
+        outward = (x >= ctx.bound) & (grad < 0)  # descent would push x further out
+        return torch.where(outward, torch.zeros_like(grad), grad), None
+
+
 class _TemperatureMixin(nn.Module):
     """Fixed or learnable temperature; learnable as a log logit scale clamped at
     ``max_logit_scale`` (CLIP's 100), so the temperature never falls below 1/100."""
@@ -40,6 +61,16 @@ class _TemperatureMixin(nn.Module):
     ) -> None:
         _checks.check_positive(temperature, "temperature")
         _checks.check_positive(max_logit_scale, "max_logit_scale")
+        if max_logit_scale > 1.0 / CF.MIN_TEMPERATURE:
+            raise ValueError(
+                f"max_logit_scale: {max_logit_scale:g} exceeds 1/{CF.MIN_TEMPERATURE:g}, "
+                "the smallest temperature the losses accept"
+            )
+        if temperature * max_logit_scale < 1 - 1e-6:  # the bound itself is fine
+            raise ValueError(
+                f"temperature: {temperature:g} is below 1/max_logit_scale = "
+                f"{1.0 / max_logit_scale:g}, where it would be clamped; raise max_logit_scale"
+            )
         self.learnable_temperature = learnable
         self.max_logit_scale = float(max_logit_scale)
         log_scale = torch.tensor(math.log(1.0 / temperature))
@@ -51,8 +82,8 @@ class _TemperatureMixin(nn.Module):
     @property
     def temperature(self) -> Tensor:
         """Current temperature :math:`\\tau` as a 0-d tensor (differentiable if learnable)."""
-        scale = self.log_logit_scale.exp().clamp(max=self.max_logit_scale)
-        return 1.0 / scale
+        log_bound = math.log(self.max_logit_scale)
+        return 1.0 / _UpperClamp.apply(self.log_logit_scale, log_bound).exp()
 
 
 class InfoNCELoss(_TemperatureMixin):
@@ -154,6 +185,18 @@ class SigLIPLoss(nn.Module):
     ) -> None:
         super().__init__()
         _checks.check_positive(scale_init, "scale_init")
+        if not torch.finfo(torch.float32).tiny <= scale_init <= 1.0 / CF.MIN_TEMPERATURE:
+            raise ValueError(
+                f"scale_init: {scale_init:g} is outside [{torch.finfo(torch.float32).tiny:.3g}, "
+                f"{1.0 / CF.MIN_TEMPERATURE:g}] (the logit scale is 1/temperature)"
+            )
+        if isinstance(bias_init, bool) or not isinstance(bias_init, (int, float)):
+            raise TypeError(f"bias_init: expected a float, got {type(bias_init).__name__}")
+        if not abs(bias_init) <= 1.0 / CF.MIN_TEMPERATURE:  # False for NaN too
+            raise ValueError(
+                f"bias_init: must be finite with |bias_init| <= {1.0 / CF.MIN_TEMPERATURE:g}, "
+                f"got {bias_init}"
+            )
         _checks.check_reduction(reduction)
         log_scale = torch.tensor(math.log(scale_init))
         bias = torch.tensor(float(bias_init))
@@ -317,7 +360,7 @@ class CACLLoss(_TemperatureMixin):
         super().__init__()
         _checks.check_reduction(reduction)
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
-        self.english_index = english_index
+        self.english_index = _checks.check_int(english_index, "english_index", 0)
         self.normalize = normalize
         self.reduction = reduction
         self.gather = gather
@@ -344,6 +387,11 @@ class CACLLoss(_TemperatureMixin):
             text, "english_or_text", ndim=3, dims="(B, K, D)", check_values=False
         )
         b, k_langs = text.shape[:2]
+        if self.english_index >= k_langs:
+            raise ValueError(
+                f"english_index: {self.english_index} is outside the K = {k_langs} languages "
+                f"of english_or_text (shape {tuple(text.shape)})"
+            )
         if mask is not None:
             mask = _checks.check_mask(mask, "mask", (b, k_langs), text)
         if other is None:

@@ -43,6 +43,7 @@ from ._checks import (
     check_finite,
     check_float,
     check_ids,
+    check_materialised,
     check_same_device_dtype,
     check_same_size,
     check_tensor,
@@ -101,6 +102,7 @@ def _check_sim(sim: object) -> Tensor:
     check_float(sim, "sim")
     if sim.shape[0] == 0 or sim.shape[1] == 0:
         raise ValueError(f"sim: needs at least one query and one gallery item, got {_shape(sim)}")
+    check_materialised(sim, "sim")
     return sim
 
 

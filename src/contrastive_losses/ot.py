@@ -120,6 +120,13 @@ def sinkhorn(
         raise ValueError(f"method: expected one of {list(_METHODS)}, got {method!r}")
 
     eps = float(epsilon)
+    # S / epsilon (plus potentials of the same size) must stay finite in the dtype.
+    peak = float(scores.detach().abs().amax()) / eps
+    if peak > torch.finfo(scores.dtype).max / 16:
+        raise ValueError(
+            f"epsilon: {eps:.3g} is too small for these scores: max |scores| / epsilon = "
+            f"{peak:.3g} overflows {scores.dtype}"
+        )
     if method != "log":
         fits = scores.device.type == "cpu" or method == "exp"
         if fits:
