@@ -392,7 +392,7 @@ class SupportVectorRegularizer(nn.Module):
                             "Pass them with the model's, e.g. torch.optim.Adam("
                             "[*model.parameters(), *loss_fn.parameters()]).",
                             UserWarning,
-                            stacklevel=3,
+                            stacklevel=5,  # the caller of loss_fn(...)
                         )
         if self._over_done:
             return
@@ -412,9 +412,9 @@ class SupportVectorRegularizer(nn.Module):
                 "R > ||a+ - t||, where the factor 1 - R/||a+ - t|| is negative and the "
                 "perpendicular pushes are reversed, not damped. Raise beta (the constraint "
                 "weight; constraint=True for a static radius), lower radius_init, or fix the "
-                "radius (see the SVR page of the docs, 'The radius').",
+                "radius (see 'Where the radius goes' on the SVR page of the docs).",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=5,  # the caller of loss_fn(...)
             )
 
     # ------------------------------------------------------------------ internals
