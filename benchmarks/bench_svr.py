@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import paired_times, peak_bytes, results_path
+from timing import markdown_table, paired_times, peak_bytes, results_path
 
 from contrastive_losses import InfoNCELoss, KCLLoss, SupportVectorRegularizer
 
@@ -145,6 +145,22 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "target_ratio": 2.2,
         "rows": rows,
+        "table": markdown_table(
+            ["loss", "B", "SVR", "time ratio", "fast", "memory ratio", "base ms", "svr ms"],
+            [
+                [
+                    r["loss"],
+                    r["batch"],
+                    r["variant"],
+                    f"{r['time_ratio']:.2f}",
+                    f"{r['time_ratio_fast']:.2f}",
+                    f"{r['memory_ratio']:.2f}",
+                    f"{r['base_ms']:.2f}",
+                    f"{r['svr_ms']:.2f}",
+                ]
+                for r in rows
+            ],
+        ),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -167,9 +168,13 @@ def test_gradcheck_support_vector_term(gen):
 
 
 def _gradcheck_module(svr: nn.Module, inputs: tuple[torch.Tensor, ...], wrt_inputs: bool) -> bool:
-    """gradcheck over the module's parameters (and the embeddings if ``wrt_inputs``)."""
-    names = [n for n, _ in svr.named_parameters()]
-    params = tuple(p.detach().clone().requires_grad_() for _, p in svr.named_parameters())
+    """gradcheck over the regulariser's own parameters (and the embeddings if
+    ``wrt_inputs``). The base's temperature is left out: the SVR term reads it detached
+    (tested in test_base_temperature_learns_from_the_base_only), so the numerical
+    derivative sees a dependence that the analytical one drops on purpose."""
+    own = [(n, p) for n, p in svr.named_parameters() if not n.startswith("base.")]
+    names = [n for n, _ in own]
+    params = tuple(p.detach().clone().requires_grad_() for _, p in own)
     emb = tuple(
         x.detach().clone().requires_grad_(wrt_inputs and x.is_floating_point()) for x in inputs
     )
@@ -214,10 +219,10 @@ def test_dynamic_embedding_gradient_is_the_fixed_radius_gradient(gen):
     svr = svr.double()
     svr(a1, t1).backward()
     a2, t2 = a1.detach().clone().requires_grad_(), t1.detach().clone().requires_grad_()
-    with torch.no_grad():
+    with torch.no_grad():  # the predictor reads s = cos / tau
         an, tn = F.normalize(a2), F.normalize(t2)
-        r_t = svr.predictor(tn @ an.T)
-        r_a = svr.predictor(an @ tn.T)
+        r_t = svr.predictor(tn @ an.T / 0.3)
+        r_a = svr.predictor(an @ tn.T / 0.3)
     svr_terms = (
         CF.support_vector_term(t2, a2, r_t, 0.3) + CF.support_vector_term(a2, t2, r_a, 0.3)
     ) / 2
@@ -312,13 +317,26 @@ def test_constraint_defaults_and_weights(gen):
     assert terms["radius_over_distance"] == 1
 
 
-def test_uni_is_the_text_anchor_half_of_bi(gen):
+def test_uni_and_bi_weigh_each_direction_as_the_paper(gen):
+    """SupCLAP Eq. 5-6: L_t2a + L_a2t + alpha (sum of the SVR terms used). The base here
+    is the mean of its directions, so the whole objective is the paper's halved: each SVR
+    direction (and its constraint) weighs alpha/2, for uni as for bi."""
     a, t = randn(gen, 6, 4), randn(gen, 6, 4)
-    bi = SupportVectorRegularizer(InfoNCELoss(0.2), radius=0.3).double()
-    uni = SupportVectorRegularizer(InfoNCELoss(0.2), radius=0.3, direction="uni").double()
-    t2a = CF.support_vector_term(t, a, 0.3, 0.2)
-    a2t = CF.support_vector_term(a, t, 0.3, 0.2)
-    torch.testing.assert_close(uni(a, t, return_terms=True)[1]["svr"], t2a)
+    alpha, beta = 0.7, 0.3
+    base = InfoNCELoss(0.2)
+    kwargs = {"radius": 2.5, "alpha": alpha, "beta": beta, "constraint": True}
+    bi = SupportVectorRegularizer(base, **kwargs).double()
+    uni = SupportVectorRegularizer(base, direction="uni", **kwargs).double()
+    t2a = CF.support_vector_term(t, a, 2.5, 0.2)
+    a2t = CF.support_vector_term(a, t, 2.5, 0.2)
+    con = (2.5 - (F.normalize(a) - F.normalize(t)).norm(dim=-1)).relu().mean()  # R > ||a - t||
+    assert con > 0
+    _, base_terms = base(a, t, return_terms=True)
+    paper_bi = base_terms["loss_t2a"] + base_terms["loss_a2t"] + alpha * (t2a + a2t)
+    paper_uni = base_terms["loss_t2a"] + base_terms["loss_a2t"] + alpha * t2a
+    torch.testing.assert_close(bi(a, t), (paper_bi + beta * 2 * con) / 2)
+    torch.testing.assert_close(uni(a, t), (paper_uni + beta * con) / 2)
+    torch.testing.assert_close(uni(a, t, return_terms=True)[1]["svr"], t2a / 2)
     torch.testing.assert_close(bi(a, t, return_terms=True)[1]["svr"], (t2a + a2t) / 2)
 
 
@@ -368,17 +386,39 @@ def test_temperature_follows_base_unless_given(gen):
     svr = SupportVectorRegularizer(base, radius=0.2, direction="uni")
     with torch.no_grad():
         base.log_logit_scale.fill_(torch.log(torch.tensor(1 / 0.3)).item())
-    expected = CF.support_vector_term(t, a, 0.2, 0.3)
+    expected = CF.support_vector_term(t, a, 0.2, 0.3) / 2  # uni: half the t2a term
     torch.testing.assert_close(svr(a, t, return_terms=True)[1]["svr"], expected)
-    loss = svr(a, t)
-    loss.backward()
-    assert base.log_logit_scale.grad != 0
     fixed = SupportVectorRegularizer(base, radius=0.2, direction="uni", temperature=0.05)
     got = fixed(a, t, return_terms=True)[1]["svr"]
-    torch.testing.assert_close(got, CF.support_vector_term(t, a, 0.2, 0.05))
+    torch.testing.assert_close(got, CF.support_vector_term(t, a, 0.2, 0.05) / 2)
     siglip = SupportVectorRegularizer(SigLIPLoss(8.0), radius=0.2, direction="uni").double()
     got = siglip(a, t, return_terms=True)[1]["svr"]
-    torch.testing.assert_close(got, CF.support_vector_term(t, a, 0.2, 1 / 8.0))
+    torch.testing.assert_close(got, CF.support_vector_term(t, a, 0.2, 1 / 8.0) / 2)
+
+
+@pytest.mark.parametrize("radius", ["dynamic", "static", 0.3])
+@pytest.mark.parametrize("base_name", ["info_nce", "siglip"])
+def test_base_temperature_learns_from_the_base_only(gen, radius, base_name):
+    """The SVR term reads the base's temperature (SigLIP: 1/scale) detached: a learnable
+    temperature, scale or bias gets exactly the base loss's gradient, while the
+    embeddings and the radius get the SVR's gradient too."""
+    a, t = randn(gen, 6, 4).requires_grad_(), randn(gen, 6, 4)
+    if base_name == "info_nce":
+        base = InfoNCELoss(0.1, learnable_temperature=True).double()
+    else:
+        base = SigLIPLoss(5.0, -1.0).double()
+    svr = SupportVectorRegularizer(base, radius=radius).double()
+    svr(a, t).backward()
+    with_svr = {n: p.grad.clone() for n, p in base.named_parameters()}
+    a_grad = a.grad.clone()
+    base.zero_grad()
+    a.grad = None
+    base(a, t).backward()
+    assert with_svr and set(with_svr) == {n for n, _ in base.named_parameters()}
+    for name, p in base.named_parameters():
+        assert p.grad.abs() > 0, name  # the check below compares real gradients
+        torch.testing.assert_close(with_svr[name], p.grad, rtol=0, atol=0)
+    assert not torch.allclose(a_grad, a.grad)  # the SVR term does act on the embeddings
 
 
 def test_return_terms_are_detached_and_describe_the_radius(gen):
@@ -389,8 +429,8 @@ def test_return_terms_are_detached_and_describe_the_radius(gen):
 
     def predicted():
         return torch.cat(
-            [svr.predictor(tn[:, k] @ an.T) for k in range(3)]
-            + [svr.predictor(an @ tn[:, k].T) for k in range(3)]
+            [svr.predictor(tn[:, k] @ an.T / 0.07) for k in range(3)]
+            + [svr.predictor(an @ tn[:, k].T / 0.07) for k in range(3)]
         ).detach()
 
     with torch.no_grad():  # centre the radii on the distances so both sides occur
@@ -408,6 +448,72 @@ def test_return_terms_are_detached_and_describe_the_radius(gen):
     torch.testing.assert_close(terms["radius_over_distance"], over)
     assert 0 < over < 1  # the check above sees both cases
     torch.testing.assert_close(svr(a, t), loss)  # return_terms does not change the loss
+
+
+# ------------------------------------------------------------------ the radius' gradient
+
+
+def test_radius_derivative_matches_the_closed_form(gen):
+    """d(row i)/dR_i = -(1/(tau d_i)) sum_{j != i} P_ij <a_i - t_i, a_i - a_j> (P at the
+    support vector): the loop reference of tau dL/dR against autograd, per anchor."""
+    t, a = randn(gen, 7, 5), randn(gen, 7, 5)
+    radius = torch.tensor([0.0, 0.2, 0.5, 0.9, 1.3, 0.1, 2.0], dtype=F64, requires_grad=True)
+    rows = CF.support_vector_term(t, a, radius, 0.3, reduction="none")
+    (grad,) = torch.autograd.grad(rows.sum(), radius)  # row i depends on R_i only
+    for i in range(7):
+        slope = ref_svr.radius_slope(t, a, i, radius[i].item(), 0.3)
+        torch.testing.assert_close(0.3 * grad[i], slope)
+        tn, an = F.normalize(t, dim=-1), F.normalize(a, dim=-1)
+        d = (an[i] - tn[i]).norm()
+        t_sup = tn[i] + radius[i] * (an[i] - tn[i]) / d
+        probs = torch.softmax(an @ t_sup / 0.3, dim=0)
+        closed = -sum(
+            probs[j] * ((an[i] - tn[i]) @ (an[i] - an[j])) for j in range(7) if j != i
+        ) / (0.3 * d)
+        torch.testing.assert_close(grad[i], closed)
+
+
+@given(st.integers(2, 8), st.integers(2, 6), st.integers(0, 2**31 - 1))
+def test_svr_term_is_convex_in_the_radius(b, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    t, a = torch.randn(b, d, generator=g, dtype=F64), torch.randn(b, d, generator=g, dtype=F64)
+    radii = torch.linspace(-1.0, 3.0, 9, dtype=F64)
+    values = torch.stack([CF.support_vector_term(t, a, float(r), 0.2) for r in radii])
+    second = values[:-2] - 2 * values[1:-1] + values[2:]  # second differences
+    assert (second >= -1e-9).all()
+
+
+@pytest.mark.parametrize("direction", ["bi", "uni"])
+@pytest.mark.parametrize("base_name", ["info_nce", "kcl"])
+def test_radius_slope_term_is_the_autograd_derivative(gen, direction, base_name):
+    """terms["svr_radius_slope"], the mean over anchors of sum_j P_j <u_hat, a_j - a+>,
+    is tau dL_svr/dR (per direction; the SVR term halves uni) for a shared radius."""
+    a, t = randn(gen, 6, 4), randn(gen, 6, 3, 4)
+    mask = random_mask(gen, 6, 3)
+    base = InfoNCELoss(0.2) if base_name == "info_nce" else KCLLoss(0.2)
+    args = (a, t[:, 0]) if base_name == "info_nce" else (a, t, mask)
+    for radius in (0.0, 0.4, 1.5):
+        svr = SupportVectorRegularizer(base, radius="static", direction=direction)
+        svr = svr.double()
+        with torch.no_grad():
+            svr.radius.fill_(radius)
+        loss, terms = svr(*args, return_terms=True)  # no constraint: the SVR term alone
+        (grad,) = torch.autograd.grad(loss, svr.radius)
+        share = 1.0 if direction == "bi" else 0.5
+        torch.testing.assert_close(terms["svr_radius_slope"] * share, 0.2 * grad)
+
+
+def test_radius_slope_sign_follows_the_margins(gen):
+    """The slope is positive (R is pushed down) when the text separates its clip from a
+    hard negative better than the audio does, negative in the opposite case."""
+    e = torch.eye(3, dtype=F64)
+    a = torch.stack([e[0], F.normalize(e[0] + 0.4 * e[1], dim=0)])  # audio: close clips
+    t_good = torch.stack([F.normalize(e[0] - 0.5 * e[1], dim=0), e[1]])  # far from a_1
+    t_bad = torch.stack([F.normalize(e[0] + 0.6 * e[1], dim=0), e[1]])  # closer to a_1
+    svr = SupportVectorRegularizer(InfoNCELoss(0.1), radius=0.1, direction="uni")
+    good = svr(a, t_good, return_terms=True)[1]["svr_radius_slope"]
+    bad = svr(a, t_bad, return_terms=True)[1]["svr_radius_slope"]
+    assert good > 0 > bad
 
 
 # ------------------------------------------------------------------ parameters and state
@@ -601,6 +707,18 @@ def _good(gen):
             "similarities: need N >= 2",
         ),
         (lambda t, a: RadiusPredictor(4)(torch.rand(3)), ValueError, "similarities"),
+        (
+            lambda t, a: RadiusPredictor(4)(
+                torch.rand(3, 5).index_fill(1, torch.tensor([2]), torch.nan)
+            ),
+            ValueError,
+            "similarities: contains 3 NaN",
+        ),
+        (
+            lambda t, a: RadiusPredictor(4)(torch.full((3, 5), float("inf"))),
+            ValueError,
+            "similarities: contains 15 NaN/Inf",
+        ),
     ],
 )
 def test_bad_call_names_the_argument(gen, call, error, match):
@@ -617,6 +735,137 @@ def test_nan_embeddings_are_rejected(gen, which):
         CF.support_vector_term(t, a, 0.1)
     with pytest.raises(ValueError, match="contains 1 NaN"):
         SupportVectorRegularizer(InfoNCELoss()).double()(a, t)
+
+
+# ------------------------------------------------------------------ half precision
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("where", ["functional", "module"])
+def test_half_precision_nearly_aligned_pairs_have_finite_gradients(gen, dtype, where):
+    """Nearly aligned pairs (d ~ 1e-3, float16's epsilon): R/d and its gradient (~R/d^2)
+    overflow float16. The SVR runs in float32 inside, so the gradients are finite and
+    those of the SVR term equal a float32 run on the same rounded inputs; the module's
+    base loss runs in half, so its total is compared at half precision."""
+    shared = randn(gen, 1, 32)
+    a = shared + 0.5 * randn(gen, 8, 32)  # negatives at cos ~ 0.8: real gradients
+    t = a + 2e-3 * randn(gen, 8, 32)
+    a16, t16 = a.to(dtype), t.to(dtype)
+
+    def grads(x_dtype):
+        x_a = a16.detach().to(x_dtype).requires_grad_()
+        x_t = t16.detach().to(x_dtype).requires_grad_()
+        if where == "functional":
+            loss = CF.support_vector_term(x_t, x_a, 0.1, 0.07)
+        else:
+            svr = SupportVectorRegularizer(InfoNCELoss(0.07), radius="static")
+            loss = svr(x_a, x_t)
+        loss.backward()
+        assert loss.dtype == x_dtype
+        return loss.detach().float(), x_a.grad.float(), x_t.grad.float()
+
+    half, full = grads(dtype), grads(torch.float32)
+    for h, f in zip(half, full, strict=True):
+        assert torch.isfinite(h).all()
+        if where == "functional":
+            precision = torch.finfo(dtype).eps  # rounding the float32 result to dtype
+            torch.testing.assert_close(h, f, rtol=precision, atol=precision * float(f.abs().max()))
+        else:
+            torch.testing.assert_close(h, f, rtol=0.05, atol=0.05 * float(f.abs().max()))
+    assert full[1].abs().max() > 1e-3  # the comparison sees real gradients
+
+
+# ------------------------------------------------------------------ training checks
+
+
+def _loop(svr, steps, *, in_optimizer=True, lr=1e-2, accumulate=1, warmup=0, seed=0):
+    """A small training loop: two linear encoders on fixed random features."""
+    g = torch.Generator().manual_seed(seed)
+    x_a, x_t = torch.randn(64, 12, generator=g), torch.randn(64, 12, generator=g)
+    enc_a, enc_t = nn.Linear(12, 8), nn.Linear(12, 8)
+    params = [*enc_a.parameters(), *enc_t.parameters()]
+    if in_optimizer:
+        params += list(svr.parameters())
+    opt = torch.optim.Adam(params, lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / warmup) if warmup else 1)
+    terms = []
+    for step in range(steps):
+        idx = torch.randint(0, 64, (16,), generator=g)
+        loss, out = svr(enc_a(x_a[idx]), enc_t(x_t[idx]), return_terms=True)
+        (loss / accumulate).backward()
+        terms.append(out)
+        if (step + 1) % accumulate == 0:
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)
+    return terms
+
+
+@pytest.mark.parametrize("radius", ["static", "dynamic"])
+def test_warns_once_when_the_radius_never_reaches_an_optimizer(radius):
+    svr = SupportVectorRegularizer(InfoNCELoss(0.1), radius=radius)
+    svr.stuck_after = 10
+    with pytest.warns(UserWarning, match="never changed .* in the optimizer") as record:
+        _loop(svr, 40, in_optimizer=False)
+    assert sum("never changed" in str(w.message) for w in record) == 1
+
+
+@pytest.mark.parametrize(("radius", "beta"), [("static", 0.01), ("dynamic", 1.0)])
+@pytest.mark.parametrize(("accumulate", "warmup"), [(1, 0), (4, 12)])
+def test_no_warning_in_a_normal_training_loop(radius, beta, accumulate, warmup):
+    """Radius in the optimizer, learning-rate warm-up from 0, gradient accumulation,
+    zero_grad with and without set_to_none, the default thresholds: no warning, and the
+    radius trains. (With beta = 0.01 the dynamic radius of this toy settles above the
+    distance, a true report.)"""
+    svr = SupportVectorRegularizer(InfoNCELoss(0.1), radius=radius, beta=beta, constraint=True)
+    before = [p.detach().clone() for p in svr.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        terms = _loop(svr, 4 * svr.over_distance_steps // 3, accumulate=accumulate, warmup=warmup)
+    assert any(not torch.equal(p, q) for p, q in zip(svr.parameters(), before, strict=True))
+    assert float(terms[-1]["radius_mean"]) != pytest.approx(0.1)
+
+
+def test_no_stuck_warning_without_gradients_or_outside_training(gen):
+    a, t = randn(gen, 8, 4).float().requires_grad_(), randn(gen, 8, 4).float()
+    frozen = SupportVectorRegularizer(InfoNCELoss(), radius="static")
+    frozen.radius.requires_grad_(False)
+    silent = SupportVectorRegularizer(InfoNCELoss(), radius="static", alpha=0.0)  # zero grad
+    evaluated = SupportVectorRegularizer(InfoNCELoss(), radius="static").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for svr in (frozen, silent, evaluated):
+            svr.stuck_after = 3
+            for _ in range(10):
+                svr(a, t).backward()
+        with torch.no_grad():
+            for _ in range(10):
+                SupportVectorRegularizer(InfoNCELoss(), radius="static")(a, t)
+    assert silent.radius.grad is not None and silent.radius.grad == 0  # it did get a grad
+
+
+def test_warns_once_when_the_radius_stays_above_the_distance(gen):
+    a, t = randn(gen, 8, 4).float(), randn(gen, 8, 4).float()
+    svr = SupportVectorRegularizer(InfoNCELoss(), radius=2.5)  # > every ||a - t|| <= 2
+    svr.over_distance_steps, svr.over_distance_check_every = 12, 4
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(11):
+            assert svr(a, t, return_terms=True)[1]["radius_over_distance"] == 1
+        assert not record  # 11 steps: below the threshold
+        for _ in range(30):
+            svr(a, t)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1 and "radius_over_distance stayed above 0.5" in messages[0]
+    # a streak broken by a step below the distance starts again
+    svr = SupportVectorRegularizer(InfoNCELoss(), radius=2.5)
+    svr.over_distance_steps, svr.over_distance_check_every = 12, 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(40):
+            with torch.no_grad():
+                svr.radius.fill_(0.0 if step % 10 == 9 else 2.5)
+            svr(a, t)
 
 
 # ------------------------------------------------------------------ two ranks, gloo

@@ -814,6 +814,40 @@ def _unit_offsets(x: Tensor, y_pos: Tensor) -> tuple[Tensor, Tensor]:
     return u * inv[..., None], dist
 
 
+def _support_vector_logits(
+    sims: Tensor,
+    positive_sims: Tensor,
+    dist: Tensor,
+    radius: Tensor | float,
+    temperature: float | Tensor,
+    col_mask: Tensor | None,
+) -> Tensor:
+    r"""The support vectors' logits from similarities, batched over ``Q`` problems.
+
+    With :math:`c_i = R_i/d_i` the support vector's logits are
+    :math:`\langle t_i + c_i(a_i - t_i), a_j\rangle / \tau = ((1 - c_i) s_{ij} + c_i g_{ij})/\tau`,
+    so they come from the anchor-candidate similarities ``sims`` :math:`s_{ij}` and the
+    positive-candidate similarities ``positive_sims`` :math:`g_{ij} = \langle a_i, a_j\rangle`,
+    both ``(Q, b, N)``, and no ``(b, D)`` support vector is built. ``dist`` ``(Q, b)`` is
+    :math:`d_i`; below the dtype's epsilon the direction is undefined and :math:`c_i = 0`
+    (the InfoNCE row). ``radius`` is a scalar or ``(Q, b)``; ``col_mask`` ``(Q, N)`` marks
+    present candidates (absent ones get the dtype's lowest logit).
+    """
+    eps = torch.finfo(dist.dtype).eps
+    coef = torch.where(dist > eps, radius / dist.clamp_min(eps), torch.zeros_like(dist))
+    logits = torch.lerp(sims, positive_sims, coef[..., None]) / temperature  # (Q, b, N)
+    if col_mask is not None:
+        logits = logits.masked_fill(~col_mask[:, None, :], torch.finfo(logits.dtype).min)
+    return logits
+
+
+def _logit_rows(logits: Tensor, offset: int) -> Tensor:
+    """Per-row cross-entropy ``(Q, b)`` of ``(Q, b, N)`` logits, the positive of row ``r``
+    at column ``offset + r``; rows are not masked here."""
+    rows = torch.arange(logits.shape[1], device=logits.device)
+    return logits.logsumexp(dim=-1) - logits[:, rows, rows + offset]
+
+
 def _support_vector_rows(
     sims: Tensor,
     positive_sims: Tensor,
@@ -823,26 +857,37 @@ def _support_vector_rows(
     offset: int,
     col_mask: Tensor | None,
 ) -> Tensor:
-    r"""Per-row SVR cross-entropy from similarities, batched over ``Q`` problems.
+    """Per-row SVR cross-entropy ``(Q, b)``: :func:`_support_vector_logits` reduced."""
+    logits = _support_vector_logits(sims, positive_sims, dist, radius, temperature, col_mask)
+    return _logit_rows(logits, offset)
 
-    With :math:`c_i = R_i/d_i` the support vector's logits are
-    :math:`\langle t_i + c_i(a_i - t_i), a_j\rangle = (1 - c_i) s_{ij} + c_i g_{ij}`, so
-    they come from the anchor-candidate similarities ``sims`` :math:`s_{ij}` and the
-    positive-candidate similarities ``positive_sims`` :math:`g_{ij} = \langle a_i, a_j\rangle`,
-    both ``(Q, b, N)`` with the positive of row ``r`` at column ``offset + r``, and no
-    ``(b, D)`` support vector is built. ``dist`` ``(Q, b)`` is :math:`d_i`; below the
-    dtype's epsilon the direction is undefined and :math:`c_i = 0` (the InfoNCE row).
-    ``radius`` is a scalar or ``(Q, b)``; ``col_mask`` ``(Q, N)`` marks present
-    candidates. Returns ``(Q, b)``; rows are not masked here.
-    """
-    eps = torch.finfo(dist.dtype).eps
-    coef = torch.where(dist > eps, radius / dist.clamp_min(eps), torch.zeros_like(dist))
-    logits = torch.lerp(sims, positive_sims, coef[..., None]) / temperature  # (Q, b, N)
-    if col_mask is not None:
-        logits = logits.masked_fill(~col_mask[:, None, :], torch.finfo(logits.dtype).min)
+
+@torch.no_grad()
+def _radius_slope(
+    logits: Tensor, sims: Tensor, positive_sims: Tensor, dist: Tensor, offset: int
+) -> Tensor:
+    r"""Per anchor :math:`\tau\,\partial\ell_i/\partial R_i =
+    \sum_j P_{ij} \langle \hat u_i, a_j - a_i\rangle` ``(Q, b)``, from the inputs and
+    output of :func:`_support_vector_logits`: :math:`P` is the softmax of the support
+    vector's logits and :math:`\langle \hat u_i, a_j - a_i\rangle =
+    (g_{ij} - s_{ij} - g_{ii} + s_{ii})/d_i`. Positive: the SVR term pulls :math:`R`
+    down. 0 where :math:`d_i` is below epsilon (the radius has no effect there)."""
     rows = torch.arange(sims.shape[1], device=sims.device)
-    positive = logits[:, rows, rows + offset]  # (Q, b)
-    return logits.logsumexp(dim=-1) - positive
+    offsets = positive_sims - sims  # <a_i - t_i, a_j> = d_i <u_i, a_j>
+    along = offsets - offsets[:, rows, rows + offset][..., None]  # d_i <u_i, a_j - a_i>
+    slope = (logits.softmax(dim=-1) * along).sum(dim=-1)
+    eps = torch.finfo(dist.dtype).eps
+    return torch.where(dist > eps, slope / dist.clamp_min(eps), torch.zeros_like(slope))
+
+
+def _upcast_half(x: object) -> Any:
+    """float16/bfloat16 tensors -> float32, anything else as is: the SVR coefficient R/d
+    and its gradient, which runs as R/d^2, overflow float16 for nearly aligned pairs (d
+    near the dtype's epsilon), and d itself is noise unless the rows are normalised in
+    float32."""
+    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    return x
 
 
 def _radius_features(
@@ -926,6 +971,9 @@ def support_vector_term(
     :math:`1 - R_i/\lVert a_i - t_i\rVert` (SupCLAP App. D); :math:`R = 0` is the
     one-directional InfoNCE row. :math:`\lVert a_i - t_i\rVert` is clamped at the
     dtype's epsilon; a positive equal to its anchor gives the InfoNCE row (finite).
+    float16 and bfloat16 inputs are computed in float32 (:math:`R/d` and its gradient,
+    :math:`\propto R/d^2`, overflow float16 for nearly aligned pairs) and the result is
+    returned in the input dtype.
 
     Args:
         anchor: anchors ``(B, D)`` (text for text-to-audio SVR).
@@ -958,6 +1006,9 @@ def support_vector_term(
     """
     _checks.check_reduction(reduction)
     _temperature(temperature)
+    dtype = getattr(anchor, "dtype", None)
+    if dtype is not None and dtype == getattr(candidates, "dtype", None):
+        anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
     x = _embeddings(anchor, "anchor", "(B, D)", normalize)
     y = _embeddings(candidates, "candidates", "(B, D)", normalize)
     _check_pair(x, "anchor", y, "candidates")
@@ -979,10 +1030,10 @@ def support_vector_term(
     )[0]  # (b,)
     batch = _batch(offset, y_all.shape[0], enabled)
     if mask is None:
-        return _reduce(per_row, reduction, batch.n_global, batch)
+        return _reduce(per_row, reduction, batch.n_global, batch).to(dtype)
     per_row = torch.where(mask, per_row, torch.zeros_like(per_row))
     count = m_all.sum().clamp_min(1) if m_all is not None else b  # all absent: loss 0
-    return _reduce(per_row, reduction, count, batch)
+    return _reduce(per_row, reduction, count, batch).to(dtype)
 
 
 def _check_row_mask(mask: object, b: int, ref: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ regulariser adds the SVR term on each of them, in one or both directions.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -23,9 +24,12 @@ from .functional import (
     _distance,
     _gather,
     _gram,
+    _logit_rows,
     _radius_features,
+    _radius_slope,
     _reduce,
-    _support_vector_rows,
+    _support_vector_logits,
+    _upcast_half,
     l2_normalize,
 )
 
@@ -46,7 +50,8 @@ class RadiusPredictor(nn.Module):
         f_i = \big[s_{ii},\ s_{i\pi(1)}, \dots, s_{i\pi(F-1)}\big], \qquad
         R_i = W_3\,\mathrm{ReLU}(W_2\,\mathrm{ReLU}(W_1 f_i + b_1) + b_2) + b_3,
 
-    with :math:`s_{ij} = \langle x_i, y_j\rangle` the cosine similarity (no temperature),
+    with :math:`s_{ij}` the anchor's similarity row as given — the regulariser passes
+    SupCLAP's :math:`s_{ij} = \cos(x_i, y_j)/\tau` (Sec. 3.2) —
     :math:`s_{ii}` the positive and :math:`\pi` the negatives sorted in descending order,
     truncated to :math:`F - 1` or padded with the row's minimum similarity — so any batch
     size :math:`N \ge 2` works and the order of the negatives does not matter. The row is
@@ -54,7 +59,8 @@ class RadiusPredictor(nn.Module):
     embeddings' gradient is the one of :func:`~contrastive_losses.functional.support_vector_term`
     at the predicted :math:`R`. The output is unconstrained (the regulariser's constraint
     term penalises :math:`R < 0`). The last layer starts at zero weight and bias
-    ``radius_init``, so every anchor starts at the same radius.
+    ``radius_init``, so every anchor starts at the same radius. NaN or Inf similarities
+    raise a ``ValueError``.
 
     Args:
         num_features: :math:`F \ge 2`, the positive plus :math:`F - 1` negatives.
@@ -90,6 +96,7 @@ class RadiusPredictor(nn.Module):
         """The detached ``(..., B, num_features)`` input rows ``[s_pos, sorted negatives]``."""
         s = _checks.check_tensor(similarities, "similarities")
         _checks.check_float(s, "similarities")
+        _checks.check_finite(s, "similarities")
         if s.dim() < 2:
             raise ValueError(
                 f"similarities: expected shape (..., B, N), got shape {tuple(s.shape)}"
@@ -116,33 +123,64 @@ class SupportVectorRegularizer(nn.Module):
 
         \mathcal{L} = \mathcal{L}_{base}
             + \alpha\,\mathcal{L}_{svr} + \beta\,\mathcal{L}_{con}, \qquad
-        \mathcal{L}_{con} = \operatorname{mean}_i\big(
+        \mathcal{L}_{svr} = \tfrac12 \textstyle\sum_{d} \mathcal{L}_{svr}^{d}, \qquad
+        \mathcal{L}_{con} = \tfrac12 \textstyle\sum_{d} \operatorname{mean}_i\big(
             \mathrm{ReLU}(R_i - \lVert a_i - t_i\rVert) + \mathrm{ReLU}(-R_i)\big),
 
-    where :math:`\mathcal{L}_{svr}` is
+    where :math:`d` runs over the directions used (text anchors for
+    ``direction="uni"``; text and audio anchors for ``"bi"``) and
+    :math:`\mathcal{L}_{svr}^{d}` is
     :func:`~contrastive_losses.functional.support_vector_term` on every
     ``(audio, text)`` pair the base contrasts (its ``contrastive_pairs``: one for
     InfoNCE and SigLIP, one per language for KCL with absent captions masked, three for
-    CACL), text anchors for ``direction="uni"`` and the mean of text and audio anchors for
-    ``"bi"``; the mean runs over all present anchors of all pairs (for KCL the same
-    weighting as the base). :math:`\lVert a_i - t_i\rVert` is detached in the
+    CACL), the mean over all present anchors of all pairs (for KCL the same weighting
+    as the base). SupCLAP's Eq. 5-6 *sum* the two InfoNCE directions and add
+    :math:`\alpha` times each SVR direction; our bases are the *mean* of the two
+    directions, so the :math:`\tfrac12` makes this loss exactly half the paper's for
+    ``uni`` and ``bi`` alike: ``alpha`` and ``beta`` are the paper's :math:`\alpha`
+    and :math:`\beta`. :math:`\lVert a_i - t_i\rVert` is detached in the
     constraint: it trains the radius and never pushes a positive pair apart.
 
     Radius: ``"static"`` — one learnable scalar shared by both directions;
     ``"dynamic"`` — a :class:`RadiusPredictor` per anchor (shared by both directions);
-    a float — fixed. The SVR logits use the base's ``temperature`` (SigLIP: ``1/scale``)
-    unless ``temperature`` is given. ``normalize`` and ``gather`` follow the base; under
-    ``gather`` the anchors are this rank's rows against the global batch, scaled like the
-    base so the mean over ranks is the single-process loss. A base whose forward draws
-    randomness (CACL without ``other``) exposes ``resolve_inputs``; it is called once so
-    the base loss and the SVR see the same draw.
+    a float — fixed. The predictor reads the anchor's row of :math:`\cos/\tau` (SupCLAP
+    Sec. 3.2). The SVR logits use the base's ``temperature`` (SigLIP: ``1/scale``)
+    unless ``temperature`` is given, *detached*: a learnable temperature (or SigLIP's
+    scale and bias) learns from the base loss alone, as with the fixed :math:`\tau` of
+    the papers. float16/bfloat16 embeddings run the SVR in float32 (its :math:`R/d`
+    overflows float16 for nearly aligned pairs). ``normalize`` and ``gather`` follow the
+    base; under ``gather`` the anchors are this rank's rows against the global batch,
+    scaled like the base so the mean over ranks is the single-process loss. A base whose
+    forward draws randomness (CACL without ``other``) exposes ``resolve_inputs``; it is
+    called once so the base loss and the SVR see the same draw.
 
-    The SVR term falls as :math:`R` grows (the support vector moves onto its positive), so
-    a learned radius rises until the constraint holds it. Watch ``radius_over_distance``:
-    where :math:`R_i > \lVert a_i - t_i\rVert` the perpendicular pushes are reversed
-    rather than damped. In ``benchmarks/studies/svr.py`` the dynamic radius with
-    ``beta=0.01`` ended above the distance for nearly every anchor; ``beta=1`` kept it
-    below for about 90%.
+    Where the radius goes: from :math:`t^{sup} = t + R\hat u`, one anchor's SVR row has
+
+    .. math::
+
+        \frac{\partial \ell}{\partial R}
+        = \frac{1}{\tau}\sum_j P_j \langle \hat u, a_j - a^+\rangle
+        = -\frac{1}{\tau d}\sum_{j \ne +} P_j \langle a^+ - t,\ a^+ - a_j\rangle,
+        \qquad d = \lVert a^+ - t\rVert,
+
+    with :math:`P` the softmax at the support vector; the row is convex in :math:`R`.
+    :math:`\langle a^+ - t, a^+ - a_j\rangle = (1 - \langle a^+, a_j\rangle) -
+    (\langle t, a^+\rangle - \langle t, a_j\rangle)`: the SVR term pushes :math:`R`
+    *down* when the text separates its clip from the hard negatives better than the
+    audio does (typical when fine-tuning from pretrained weights, SupCLAP Fig. 3) and
+    *up* otherwise (random weights, noisy embeddings, SupCLAP Fig. 6), up to where the
+    constraint holds it. ``terms["svr_radius_slope"]`` logs the batch mean of
+    :math:`\tau\,\partial\ell/\partial R = \sum_j P_j\langle \hat u, a_j - a^+\rangle`
+    (positive: the SVR pulls the radius down). Watch ``radius_over_distance``: where
+    :math:`R_i > \lVert a_i - t_i\rVert` the perpendicular pushes are reversed rather
+    than damped. In ``benchmarks/studies/svr.py`` (random initialisation) the dynamic
+    radius with ``beta=0.01`` ended above the distance for nearly every anchor;
+    ``beta=1`` kept it below for about 90%.
+
+    Two warnings, once each, in training mode: the radius got gradients for
+    :attr:`stuck_after` steps but never changed (its parameters are not in the
+    optimizer), and ``radius_over_distance`` stayed above 0.5 for
+    :attr:`over_distance_steps` consecutive steps.
 
     Args:
         base: a loss Module with ``contrastive_pairs`` (:class:`~contrastive_losses.InfoNCELoss`,
@@ -150,8 +188,8 @@ class SupportVectorRegularizer(nn.Module):
             :class:`~contrastive_losses.CACLLoss`) and ``reduction="mean"``.
         radius: ``"static"``, ``"dynamic"`` (default) or a fixed float ``>= 0``.
         direction: ``"bi"`` (default) or ``"uni"`` (text anchors only).
-        alpha: weight of the SVR term (default 1.0).
-        beta: weight of the constraint term (default 0.01).
+        alpha: weight of the SVR term, the paper's :math:`\alpha` (default 1.0).
+        beta: weight of the constraint term, the paper's :math:`\beta` (default 0.01).
         constraint: add the constraint term; ``None`` means on for ``"dynamic"`` only.
         radius_init: initial radius, static or dynamic (default 0.1).
         num_features: predictor input size (positive + negatives), ``>= 2``.
@@ -164,8 +202,9 @@ class SupportVectorRegularizer(nn.Module):
         KCL) and returns a scalar; ``return_terms`` adds the base's terms and ``base``,
         ``svr``, ``constraint``, ``radius_mean``/``std``/``min``/``max`` and
         ``radius_over_distance``, the share of anchors with :math:`R_i > \lVert a_i -
-        t_i\rVert` (their perpendicular pushes are reversed, not damped), all over this
-        rank's present anchors.
+        t_i\rVert` (their perpendicular pushes are reversed, not damped), and
+        ``svr_radius_slope``, the mean of :math:`\tau\,\partial\ell_i/\partial R_i`
+        (above), all over this rank's present anchors of every direction.
 
     Example:
         >>> import torch
@@ -234,6 +273,7 @@ class SupportVectorRegularizer(nn.Module):
                 f"radius: expected 'static', 'dynamic' or a float, got {type(radius).__name__}"
             )
         self.constraint = self.radius_mode == "dynamic" if constraint is None else constraint
+        self._reset_monitor()
 
     def extra_repr(self) -> str:
         return (
@@ -261,10 +301,12 @@ class SupportVectorRegularizer(nn.Module):
         else:
             base_loss = self.base(*args, **kwargs)
         pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
-        svr, constraint, radii, over = self._regularise(pairs)
-        loss = base_loss + self.alpha * svr
+        svr, constraint, radii, over, slope = self._regularise(pairs, return_terms)
+        loss = base_loss + (self.alpha * svr).to(base_loss.dtype)
         if self.constraint:
-            loss = loss + self.beta * constraint
+            loss = loss + (self.beta * constraint).to(base_loss.dtype)
+        if self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._monitor(over)
         if not return_terms:
             return loss
         r = radii.detach()
@@ -278,15 +320,112 @@ class SupportVectorRegularizer(nn.Module):
             radius_min=r.min(),
             radius_max=r.max(),
             radius_over_distance=over,
+            svr_radius_slope=cast(Tensor, slope),
         )
         return loss, terms
 
+    # ------------------------------------------------------------------ training checks
+
+    #: Training forwards (with the radius' gradients present) after which a radius that
+    #: never moved from its value at the first training forward is reported.
+    stuck_after: int = 50
+    #: Consecutive training forwards with ``radius_over_distance > 0.5`` that are reported.
+    over_distance_steps: int = 200
+    #: ``radius_over_distance`` is read (one device sync) once every this many forwards.
+    over_distance_check_every: int = 25
+
+    def _radius_parameters(self) -> list[nn.Parameter]:
+        """The regulariser's own trainable parameters (not the base's temperature)."""
+        if self.predictor is not None:
+            return [p for p in self.predictor.parameters() if p.requires_grad]
+        radius = self.radius
+        return [radius] if isinstance(radius, nn.Parameter) and radius.requires_grad else []
+
+    def _reset_monitor(self) -> None:
+        self._stuck_done = False
+        self._stuck_calls = 0
+        self._initial: list[Tensor] | None = None
+        self._over_streak: Tensor | None = None
+        self._over_calls = 0
+        self._over_done = False
+
+    def _monitor(self, over: Tensor) -> None:
+        """Warn once if the radius never trains, and once if it sits above the distance.
+
+        Stuck radius: at the first training forward the radius' parameters are copied;
+        forwards that find gradients on them are counted (an optimizer holding them clears
+        the gradients with ``zero_grad(set_to_none=True)``, so those are mostly the runs
+        where it does not). After ``stuck_after`` of them, if the values still equal the
+        copy although some gradient is non-zero, the parameters never reach an optimizer.
+        A learning-rate warm-up or gradient accumulation delays the first change by a few
+        steps, not by ``stuck_after``; a zero gradient (``alpha = 0``, no active
+        constraint) is not reported. One device sync, once.
+
+        Radius above the distance: a device-side count of consecutive forwards with
+        ``radius_over_distance > 0.5``, read every ``over_distance_check_every`` forwards.
+        """
+        if not self._stuck_done:
+            params = self._radius_parameters()
+            if not params:
+                self._stuck_done = True
+            elif self._initial is None:
+                self._initial = [p.detach().clone() for p in params]
+            elif any(p.grad is not None for p in params):
+                self._stuck_calls += 1
+                if self._stuck_calls >= self.stuck_after:
+                    self._stuck_done = True
+                    unchanged = all(
+                        p.shape == q.shape and torch.equal(p.detach(), q)
+                        for p, q in zip(params, self._initial, strict=True)
+                    )
+                    with torch.no_grad():
+                        has_grad = any(
+                            bool(p.grad.ne(0).any()) for p in params if p.grad is not None
+                        )
+                    self._initial = None
+                    if unchanged and has_grad:
+                        warnings.warn(
+                            f"SupportVectorRegularizer: the {self.radius_mode} radius got "
+                            f"gradients in {self.stuck_after} training steps but never "
+                            "changed from its initial value, so the SVR runs at a fixed "
+                            "radius. Are the regulariser's parameters in the optimizer? "
+                            "Pass them with the model's, e.g. torch.optim.Adam("
+                            "[*model.parameters(), *loss_fn.parameters()]).",
+                            UserWarning,
+                            stacklevel=5,  # the caller of loss_fn(...)
+                        )
+        if self._over_done:
+            return
+        above = over.detach() > 0.5
+        streak = self._over_streak
+        if streak is None or streak.device != above.device:
+            streak = torch.zeros((), dtype=torch.long, device=above.device)
+        self._over_streak = torch.where(above, streak + 1, torch.zeros_like(streak))
+        self._over_calls += 1
+        if self._over_calls % self.over_distance_check_every != 0:
+            return
+        if int(self._over_streak) >= self.over_distance_steps:
+            self._over_done = True
+            warnings.warn(
+                "SupportVectorRegularizer: radius_over_distance stayed above 0.5 for "
+                f"{int(self._over_streak)} consecutive training steps: for most anchors "
+                "R > ||a+ - t||, where the factor 1 - R/||a+ - t|| is negative and the "
+                "perpendicular pushes are reversed, not damped. Raise beta (the constraint "
+                "weight; constraint=True for a static radius), lower radius_init, or fix the "
+                "radius (see 'Where the radius goes' on the SVR page of the docs).",
+                UserWarning,
+                stacklevel=5,  # the caller of loss_fn(...)
+            )
+
     # ------------------------------------------------------------------ internals
 
-    def _regularise(self, pairs: list[Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """SVR and constraint means over every present anchor, the radii used, and the
-        share of anchors whose radius exceeds ``||a - t||`` (their perpendicular pushes
-        change sign).
+    def _regularise(
+        self, pairs: list[Any], with_slope: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """SVR and constraint terms (per-direction means over every present anchor, summed
+        over the directions and halved), the radii used, the share of anchors whose radius
+        exceeds ``||a - t||`` (their perpendicular pushes change sign) and, with
+        ``with_slope``, the mean of ``tau * d(row)/dR`` over the anchors.
 
         Matmuls run per pair (and per distinct tensor for the positive-candidate Gram
         matrices, e.g. KCL's audio once for all languages); everything after them runs
@@ -311,6 +450,7 @@ class SupportVectorRegularizer(nn.Module):
                         "base: contrastive_pairs must give (B, D) tensors, got shape "
                         f"{tuple(x.shape)}"
                     )
+                x = _upcast_half(x)  # float32 inside, as support_vector_term
                 local[key] = l2_normalize(x) if normalize else x
                 glob[key], offset = _gather(local[key], enabled)
             return key
@@ -353,13 +493,16 @@ class SupportVectorRegularizer(nn.Module):
             row_mask = mask.T  # (Q, b)
             col_mask = (all_gather_no_grad(mask) if enabled else mask).T.contiguous()  # (Q, N)
 
+        temperature = self.temperature
+        if isinstance(temperature, Tensor):  # a learnable temperature learns from the base only
+            temperature = temperature.detach()
         if self.predictor is None:
             radius = self.radius.to(sims.dtype)  # ()
-        else:  # the cosine similarity rows, detached inside the predictor
-            radius = self.predictor(sims, offset, col_mask)  # (Q, b)
-        rows = _support_vector_rows(
-            sims, pos_sims, dist, radius, self.temperature, offset, col_mask
-        )  # (Q, b)
+        else:  # SupCLAP's s = cos / tau, detached inside the predictor
+            radius = self.predictor(sims / temperature, offset, col_mask)  # (Q, b)
+        logits = _support_vector_logits(sims, pos_sims, dist, radius, temperature, col_mask)
+        rows = _logit_rows(logits, offset)  # (Q, b)
+        slope = _radius_slope(logits, sims, pos_sims, dist, offset) if with_slope else None
         con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
         radii = radius.expand_as(rows)
         over = (radius.detach() > dist.detach()).expand_as(rows)
@@ -369,13 +512,17 @@ class SupportVectorRegularizer(nn.Module):
             con = torch.where(row_mask, con, torch.zeros_like(con))
             radii = radii[row_mask]
             over = over[row_mask]
+            slope = None if slope is None else slope[row_mask]
         batch = _batch(offset, sims.shape[-1], enabled)
         count: Tensor | int = batch.n_global * rows.shape[0]
         if col_mask is not None:
             count = col_mask.sum().clamp_min(1)
+        if self.direction == "uni":  # Eq. 5-6 sum the directions; the base is their mean
+            count = count * 2
         svr = _reduce(rows, "mean", count, batch)
         constraint = _reduce(con, "mean", count, batch)
-        return svr, constraint, radii.reshape(-1), over.to(rows.dtype).mean()
+        mean_slope = None if slope is None else slope.mean()
+        return svr, constraint, radii.reshape(-1), over.to(rows.dtype).mean(), mean_slope
 
 
 def _check_base_reduction(base: nn.Module) -> None:
