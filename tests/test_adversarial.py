@@ -37,6 +37,7 @@ from contrastive_losses import functional as CF
 from contrastive_losses import metrics as M
 
 B, K, DIM = 6, 3, 8
+_DEFAULT = object()  # "argument not replaced by this case" where None is a bad value
 
 
 def _g(seed: int = 0) -> torch.Generator:
@@ -294,12 +295,18 @@ def _entries() -> dict[str, Entry]:
         {},
     )
 
-    def f_ask(audio, text, fine_audio=None, fine_text=None, epsilon=0.05, injection_ratio=0.2):
-        fa = _emb(B, 2, DIM, seed=7) if fine_audio is None else fine_audio
-        ft = _emb(B, 2, DIM, seed=8) if fine_text is None else fine_text
+    # ask() takes the retrieved bank pairs, (B, K, 2, D): [..., 0, :] audio, [..., 1, :] text.
+    # The defaults are built only for an argument the case leaves alone (a bad value,
+    # None included, is passed as is).
+    def f_ask(
+        audio, text, fine_audio=_DEFAULT, fine_text=_DEFAULT, epsilon=0.05, injection_ratio=0.2
+    ):
+        fa = _emb(B, K, 2, DIM, seed=7) if fine_audio is _DEFAULT else fine_audio
+        ft = _emb(B, K, 2, DIM, seed=8) if fine_text is _DEFAULT else fine_text
         return CF.ask(audio, text, fa, ft, epsilon=epsilon, injection_ratio=injection_ratio)
 
-    emb_k = _bad_embeddings(_emb(B, 2, DIM, seed=7))
+    emb_k = _bad_embeddings(_emb(B, K, 2, DIM, seed=7))
+    emb_k.update({"K 0": emb_k["non-contiguous"][:, :0], "not pairs": _emb(B, K, 3, DIM)})
     e["functional.ask"] = Entry(
         f_ask,
         _pair,
