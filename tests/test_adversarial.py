@@ -622,38 +622,17 @@ def run() -> tuple[Counter, list[tuple[str, str, str, str, str]]]:
     return counts, bad
 
 
-# Failures left, each with the reason it is left. SVR (svr.py and the support-vector
-# part of functional.py) and ASK (ask.py) are fixed on their own branches for issue 11;
-# drop these lines once those are merged.
-_SVR = "SVR helper's part of issue 11 (radius bound, NaN similarities to RadiusPredictor)"
-_ASK = "ASK helper's part of issue 11 (ASKLoss checks text's dim against the bank's)"
-KNOWN: dict[tuple[str, str, str], str] = {
-    ("functional.support_vector_term", "radius", "1e40"): _SVR,
-    ("SupportVectorRegularizer", "alpha", "1e40"): _SVR,
-    ("SupportVectorRegularizer", "radius", "1e40"): _SVR,
-    **{
-        ("RadiusPredictor", "similarities", label): _SVR
-        for label in ("nan", "inf", "-inf", "all nan", "max", "requires_grad nan", "meta")
-    },
-    ("RadiusPredictor", "offset", "string"): _SVR,
-    ("RadiusPredictor", "offset", "none"): _SVR,
-    ("ASKLoss", "text", "D mismatch"): _ASK,
-}
-
-
 def test_adversarial_sweep():
     counts, bad = run()
     tried = sum(counts[k] for k in ("clear", "finite", "unclear", "crash", "silent"))
     assert tried >= 1000
-    left = [b for b in bad if b[:3] not in KNOWN]
-    assert not left, "\n".join(" | ".join(b) for b in left)
+    assert not bad, "\n".join(" | ".join(b) for b in bad)
 
 
 if __name__ == "__main__":
     counts, bad = run()
     kinds = ("clear", "finite", "unclear", "crash", "silent")
     print("tried", sum(counts[k] for k in kinds), {k: counts[k] for k in kinds})
-    print("known (left to other branches):", sum(b[:3] in KNOWN for b in bad))
     for name in _entries():
         print(f"{name:45s}", {k: counts[name, k] for k in kinds if counts[name, k]})
     for b in bad:

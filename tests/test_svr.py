@@ -665,6 +665,14 @@ class _NotALoss(nn.Module):
             ValueError,
             "radius_init",
         ),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), radius=1e4 * 1.01), ValueError, "radius"),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), alpha=1e4 * 1.01), ValueError, "alpha"),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), beta=1e4 * 1.01), ValueError, "beta"),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), temperature=0.5e-4),
+            ValueError,
+            "temperature: .* below the smallest",
+        ),
         (lambda: RadiusPredictor(num_features=1), ValueError, "num_features"),
         (lambda: RadiusPredictor(hidden=0), ValueError, "hidden"),
     ],
@@ -719,12 +727,38 @@ def _good(gen):
             ValueError,
             "similarities: contains 15 NaN/Inf",
         ),
+        (lambda t, a: CF.support_vector_term(t, a, -1e4 * 1.01), ValueError, r"radius: .*<= 10000"),
+        (
+            lambda t, a: CF.support_vector_term(t, a, torch.full((4,), 1e5)),
+            ValueError,
+            r"radius: .*<= 10000",
+        ),
+        (
+            lambda t, a: RadiusPredictor(4)(torch.full((3, 5), 1e6 * 1.01)),
+            ValueError,
+            r"similarities: .* exceeds 1e\+06",
+        ),
+        (lambda t, a: RadiusPredictor(4)(torch.rand(3, 5), None), TypeError, "offset"),
+        (lambda t, a: RadiusPredictor(4)(torch.rand(3, 5), "1"), TypeError, "offset"),
     ],
 )
 def test_bad_call_names_the_argument(gen, call, error, match):
     t, a = _good(gen)
     with pytest.raises(error, match=match):
         call(t, a)
+
+
+def test_the_bounds_themselves_are_accepted(gen):
+    """Radius, weights and similarities at their bounds give finite losses and gradients."""
+    t, a = _good(gen)
+    t.requires_grad_()
+    for radius in (1e4, torch.full((4,), -1e4)):
+        loss = CF.support_vector_term(t, a, radius, 1e-4)
+        (g,) = torch.autograd.grad(loss, t)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+    svr = SupportVectorRegularizer(InfoNCELoss(), radius=1e4, alpha=1e4, beta=1e4).double()
+    assert torch.isfinite(svr(a, t))
+    assert torch.isfinite(RadiusPredictor(4)(torch.full((3, 5), 1e6))).all()
 
 
 @pytest.mark.parametrize("which", ["anchor", "candidates"])
