@@ -608,6 +608,36 @@ def test_predictor_masked_candidates_are_ignored(gen):
         torch.testing.assert_close(out[r], predictor.mlp(expected)[0])
 
 
+@pytest.mark.parametrize("direction", ["bi", "uni"])
+def test_kcl_zero_padded_captions_equal_random_padding(gen, direction):
+    """Absent captions padded with zeros (the usual padding; KCL accepts it) give the same
+    SVR(KCL) loss and gradients as any other padding: the absent rows are never used."""
+    audio, text = randn(gen, 6, 8), randn(gen, 6, 3, 8)
+    mask = random_mask(gen, 6, 3, p=0.5)
+    assert not mask.all()
+    loss_fn = randomise(
+        SupportVectorRegularizer(KCLLoss(0.1), radius="dynamic", direction=direction)
+    ).double()
+    results = []
+    for pad in ("zeros", "random"):
+        a = audio.clone().requires_grad_()
+        padded = text.masked_fill(~mask[..., None], 0.0) if pad == "zeros" else text
+        t = padded.clone().requires_grad_()
+        loss_fn.zero_grad()
+        loss = loss_fn(a, t, mask)
+        loss.backward()
+        params = [p.grad.clone() for p in loss_fn.parameters() if p.grad is not None]
+        results.append((loss.detach(), a.grad, t.grad, params))
+    (l0, a0, t0, p0), (l1, a1, t1, p1) = results
+    torch.testing.assert_close(l0, l1, rtol=1e-12, atol=0)
+    torch.testing.assert_close(a0, a1, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(t0, t1, rtol=1e-10, atol=1e-14)
+    assert len(p0) == len(p1) > 0
+    for g0, g1 in zip(p0, p1, strict=True):
+        torch.testing.assert_close(g0, g1, rtol=1e-10, atol=1e-14)
+    assert not t0[~mask].any()  # absent captions get no gradient
+
+
 # ------------------------------------------------------------------ bad inputs
 
 

@@ -469,7 +469,7 @@ class SupportVectorRegularizer(nn.Module):
         grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
         offset = 0
 
-        def prepare(x: Tensor) -> int:
+        def prepare(x: Tensor, name: str, mask: Tensor | None = None) -> int:
             nonlocal offset
             key = id(x)
             if key not in local:
@@ -479,7 +479,9 @@ class SupportVectorRegularizer(nn.Module):
                         f"{tuple(x.shape)}"
                     )
                 x = _upcast_half(x)  # float32 inside, as support_vector_term
-                local[key] = l2_normalize(x) if normalize else x
+                if normalize:  # masked rows may be zero padding, as in the base (KCL)
+                    x = l2_normalize(x, _checks.check_row_norms(x, name, mask=mask))
+                local[key] = x
                 glob[key], offset = _gather(local[key], enabled)
             return key
 
@@ -488,7 +490,8 @@ class SupportVectorRegularizer(nn.Module):
                 grams[key] = _gram(local[key], glob[key], enabled)
             return grams[key]
 
-        keys = [(prepare(p.audio), prepare(p.text)) for p in pairs]
+        # The mask marks absent captions: text rows only (one audio serves every language).
+        keys = [(prepare(p.audio, "audio"), prepare(p.text, "text", p.mask)) for p in pairs]
         shapes = {tuple(x.shape) for x in local.values()}
         if len(shapes) != 1:
             raise ValueError(
