@@ -1023,19 +1023,21 @@ def support_vector_term(
         >>> bool(torch.isclose(support_vector_term(text, audio, 0.0), terms["loss_t2a"]))
         True
     """
-    _checks.check_reduction(reduction)
-    _temperature(temperature)
-    dtype = getattr(anchor, "dtype", None)
-    if dtype is not None and dtype == getattr(candidates, "dtype", None):
-        anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
-    x = _embeddings(anchor, "anchor", "(B, D)", normalize)
-    y = _embeddings(candidates, "candidates", "(B, D)", normalize)
-    _check_pair(x, "anchor", y, "candidates")
-    b = x.shape[0]
-    r = _radius_tensor(radius, b, x)
-    if mask is not None:
-        mask = _check_row_mask(mask, b, x)
     enabled = resolve_gather(gather)
+    with validate_together(enabled, anchor, name="anchor") as v:
+        _checks.check_reduction(reduction)
+        _temperature(temperature)
+        dtype = getattr(anchor, "dtype", None)
+        if dtype is not None and dtype == getattr(candidates, "dtype", None):
+            anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
+        x = _embeddings(anchor, "anchor", "(B, D)", normalize, v.min_batch)
+        y = _embeddings(candidates, "candidates", "(B, D)", normalize, v.min_batch)
+        _check_pair(x, "anchor", y, "candidates")
+        b = x.shape[0]
+        r = _radius_tensor(radius, b, x)
+        if mask is not None:
+            mask = _check_row_mask(mask, b, x)
+        v.batch = b
     y_all, offset = _gather(y, enabled)
     m_all = None if mask is None else (all_gather_no_grad(mask) if enabled else mask)
     per_row = _support_vector_rows(

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checks
-from .distributed import all_gather_no_grad, resolve_gather
+from .distributed import all_gather_no_grad, resolve_gather, validate_together
 from .functional import (
     _batch,
     _distance,
@@ -460,17 +460,13 @@ class SupportVectorRegularizer(nn.Module):
         batched over the ``Q = P`` (uni) or ``2P`` (bi) anchor/candidate problems on
         ``(Q, b, N)`` similarity tensors.
         """
-        if len(pairs) == 0:
-            raise ValueError("base: contrastive_pairs returned no pairs")
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
         local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
         glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
         grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
-        offset = 0
 
         def prepare(x: Tensor, name: str, mask: Tensor | None = None) -> int:
-            nonlocal offset
             key = id(x)
             if key not in local:
                 if x.dim() != 2:
@@ -482,7 +478,6 @@ class SupportVectorRegularizer(nn.Module):
                 if normalize:  # masked rows may be zero padding, as in the base (KCL)
                     x = l2_normalize(x, _checks.check_row_norms(x, name, mask=mask))
                 local[key] = x
-                glob[key], offset = _gather(local[key], enabled)
             return key
 
         def gram(key: int) -> Tensor:
@@ -490,15 +485,25 @@ class SupportVectorRegularizer(nn.Module):
                 grams[key] = _gram(local[key], glob[key], enabled)
             return grams[key]
 
-        # The mask marks absent captions: text rows only (one audio serves every language).
-        keys = [(prepare(p.audio, "audio"), prepare(p.text, "text", p.mask)) for p in pairs]
-        shapes = {tuple(x.shape) for x in local.values()}
-        if len(shapes) != 1:
-            raise ValueError(
-                f"base: contrastive_pairs gave tensors of shapes {sorted(shapes)}; every pair "
-                "needs (B, D) audio and text of one shape"
-            )
-        b = next(iter(local.values())).shape[0]
+        # Every check before the first collective, and together: a rank failing alone
+        # raises on every rank instead of leaving the others in the gather.
+        first = pairs[0].audio if pairs else None
+        with validate_together(enabled, first) as v:
+            if len(pairs) == 0:
+                raise ValueError("base: contrastive_pairs returned no pairs")
+            # The mask marks absent captions: text rows only (one audio serves every language).
+            keys = [(prepare(p.audio, "audio"), prepare(p.text, "text", p.mask)) for p in pairs]
+            shapes = {tuple(x.shape) for x in local.values()}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"base: contrastive_pairs gave tensors of shapes {sorted(shapes)}; every "
+                    "pair needs (B, D) audio and text of one shape"
+                )
+            b = next(iter(local.values())).shape[0]
+            v.batch = b
+        offset = 0
+        for key, x in local.items():  # the same order on every rank
+            glob[key], offset = _gather(x, enabled)
 
         def stack(xs: list[Tensor]) -> Tensor:
             return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
