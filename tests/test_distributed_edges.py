@@ -6,14 +6,12 @@ collective: the spawn below has a deadline, so a hang fails."""
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_ddp_average_matches, rank_data, spawn_ranks
+from helpers import assert_ddp_average_matches, init_gloo, rank_data, spawn_ranks
 
 from contrastive_losses import (
     ASKLoss,
@@ -99,9 +97,8 @@ def _case_data(case: str, cases: dict = CASES) -> dict[str, torch.Tensor]:
     return data
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    init_gloo(rank, world, init_method, timeout_s=60)
     try:
         results: dict[str, object] = {}
         for case, (sizes, _) in CASES.items():

@@ -5,7 +5,6 @@ two-process gather run."""
 from __future__ import annotations
 
 import io
-import os
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from helpers import (
     F64,
     RANK_SIZES,
     assert_ddp_average_matches,
+    init_gloo,
     randn,
     random_mask,
     rank_data,
@@ -964,9 +964,8 @@ def _dist_cases():
     }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    init_gloo(rank, world, init_method)
     try:
         torch.set_num_threads(1)
         data = rank_data()
