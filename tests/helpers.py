@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import time
+import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 F64 = torch.float64
@@ -27,21 +29,29 @@ def random_mask(gen: torch.Generator, b: int, k: int, p: float = 0.7) -> torch.T
     return mask
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def init_gloo(rank: int, world: int, init_method: str, timeout_s: float | None = None) -> None:
+    """``init_process_group("gloo")`` in a worker of :func:`spawn_ranks`."""
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timeout
+    )
 
 
 def spawn_ranks(
     worker: Callable[..., None], out_dir: Path, world: int = 2, deadline_s: float = 300
 ) -> list[dict]:
-    """Run ``worker(rank, world, port, out_dir)`` in ``world`` gloo processes; each saves
-    ``out_dir/rank{r}.pt``. Returns the loaded results in rank order. Past ``deadline_s``
-    the processes are killed and the test fails: a rank waiting forever in a collective
-    is a failure, not a stuck CI job."""
+    """Run ``worker(rank, world, init_method, out_dir)`` in ``world`` processes that call
+    :func:`init_gloo`; each saves ``out_dir/rank{r}.pt``. Returns the loaded results in
+    rank order. Past ``deadline_s`` the processes are killed and the test fails: a rank
+    waiting forever in a collective is a failure, not a stuck CI job.
+
+    The ranks meet through a fresh file in ``out_dir`` (``file://``), not a TCP port: a
+    free port picked here and bound later by rank 0 could be taken in between by another
+    test run (seen as gloo aborts under load). gloo's own connections use ports that the
+    ranks bind themselves and exchange through that file."""
+    rendezvous = Path(out_dir).resolve() / f"rendezvous-{uuid.uuid4().hex}"
     ctx = mp.start_processes(
-        worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=False
+        worker, args=(world, rendezvous.as_uri(), str(out_dir)), nprocs=world, join=False
     )
     deadline = time.monotonic() + deadline_s
     while not ctx.join(timeout=2):

@@ -37,6 +37,7 @@ from contrastive_losses import functional as CF
 from contrastive_losses import metrics as M
 
 B, K, DIM = 6, 3, 8
+_DEFAULT = object()  # "argument not replaced by this case" where None is a bad value
 
 
 def _g(seed: int = 0) -> torch.Generator:
@@ -294,12 +295,18 @@ def _entries() -> dict[str, Entry]:
         {},
     )
 
-    def f_ask(audio, text, fine_audio=None, fine_text=None, epsilon=0.05, injection_ratio=0.2):
-        fa = _emb(B, 2, DIM, seed=7) if fine_audio is None else fine_audio
-        ft = _emb(B, 2, DIM, seed=8) if fine_text is None else fine_text
+    # ask() takes the retrieved bank pairs, (B, K, 2, D): [..., 0, :] audio, [..., 1, :] text.
+    # The defaults are built only for an argument the case leaves alone (a bad value,
+    # None included, is passed as is).
+    def f_ask(
+        audio, text, fine_audio=_DEFAULT, fine_text=_DEFAULT, epsilon=0.05, injection_ratio=0.2
+    ):
+        fa = _emb(B, K, 2, DIM, seed=7) if fine_audio is _DEFAULT else fine_audio
+        ft = _emb(B, K, 2, DIM, seed=8) if fine_text is _DEFAULT else fine_text
         return CF.ask(audio, text, fa, ft, epsilon=epsilon, injection_ratio=injection_ratio)
 
-    emb_k = _bad_embeddings(_emb(B, 2, DIM, seed=7))
+    emb_k = _bad_embeddings(_emb(B, K, 2, DIM, seed=7))
+    emb_k.update({"K 0": emb_k["non-contiguous"][:, :0], "not pairs": _emb(B, K, 3, DIM)})
     e["functional.ask"] = Entry(
         f_ask,
         _pair,
@@ -615,38 +622,17 @@ def run() -> tuple[Counter, list[tuple[str, str, str, str, str]]]:
     return counts, bad
 
 
-# Failures left, each with the reason it is left. SVR (svr.py and the support-vector
-# part of functional.py) and ASK (ask.py) are fixed on their own branches for issue 11;
-# drop these lines once those are merged.
-_SVR = "SVR helper's part of issue 11 (radius bound, NaN similarities to RadiusPredictor)"
-_ASK = "ASK helper's part of issue 11 (ASKLoss checks text's dim against the bank's)"
-KNOWN: dict[tuple[str, str, str], str] = {
-    ("functional.support_vector_term", "radius", "1e40"): _SVR,
-    ("SupportVectorRegularizer", "alpha", "1e40"): _SVR,
-    ("SupportVectorRegularizer", "radius", "1e40"): _SVR,
-    **{
-        ("RadiusPredictor", "similarities", label): _SVR
-        for label in ("nan", "inf", "-inf", "all nan", "max", "requires_grad nan", "meta")
-    },
-    ("RadiusPredictor", "offset", "string"): _SVR,
-    ("RadiusPredictor", "offset", "none"): _SVR,
-    ("ASKLoss", "text", "D mismatch"): _ASK,
-}
-
-
 def test_adversarial_sweep():
     counts, bad = run()
     tried = sum(counts[k] for k in ("clear", "finite", "unclear", "crash", "silent"))
     assert tried >= 1000
-    left = [b for b in bad if b[:3] not in KNOWN]
-    assert not left, "\n".join(" | ".join(b) for b in left)
+    assert not bad, "\n".join(" | ".join(b) for b in bad)
 
 
 if __name__ == "__main__":
     counts, bad = run()
     kinds = ("clear", "finite", "unclear", "crash", "silent")
     print("tried", sum(counts[k] for k in kinds), {k: counts[k] for k in kinds})
-    print("known (left to other branches):", sum(b[:3] in KNOWN for b in bad))
     for name in _entries():
         print(f"{name:45s}", {k: counts[name, k] for k in kinds if counts[name, k]})
     for b in bad:

@@ -462,15 +462,13 @@ def test_function_bad_input():
 # ------------------------------------------------------------------ two ranks, gloo
 
 
-def _ask_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import os
+def _ask_rank_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     from pathlib import Path
 
     import torch.distributed as dist
-    from helpers import rank_rows
+    from helpers import init_gloo, rank_rows
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, init_method)
     try:
         a, t, ids = _ask_global_batch()
         rows = rank_rows(rank)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import io
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import free_port
+from helpers import init_gloo, spawn_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -364,12 +363,10 @@ def test_bad_build_and_search_input():
 # ---------------------------------------------------------------------- distributed
 
 
-def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _dist_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, init_method)
     try:
         torch.set_num_threads(1)
         audio, text, ids = _data(13, 8, seed=21)
@@ -381,11 +378,8 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_distributed_build_gives_every_rank_the_same_bank():
-    mp = pytest.importorskip("torch.multiprocessing")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_dist_worker, args=(2, free_port(), tmp), nprocs=2, join=True)
-        states = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+def test_distributed_build_gives_every_rank_the_same_bank(tmp_path):
+    states = spawn_ranks(_dist_worker, tmp_path)
     audio, text, ids = _data(13, 8, seed=21)
     ref = KnowledgeBank(8, backend="torch", num_prototypes=3).build(audio, text, ids)
     for st_ in states:

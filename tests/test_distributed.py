@@ -3,14 +3,13 @@ loss on the concatenated batch, and its gradient, for every loss (float64, 1e-6 
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_ddp_average_matches, rank_data, rank_rows, spawn_ranks
+from helpers import assert_ddp_average_matches, init_gloo, rank_data, rank_rows, spawn_ranks
 
 from contrastive_losses import functional as CF
 from contrastive_losses.distributed import resolve_gather
@@ -31,9 +30,8 @@ def _losses(gather: bool):
     }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    init_gloo(rank, world, init_method)
     try:
         data = rank_data()
         rows = rank_rows(rank)

@@ -1,20 +1,25 @@
 """Two gloo processes with a rank holding one sample (or none, or a NaN): legal global
 batches (1 + 1, 1 + 6) give the single-process loss and gradient, illegal inputs raise
-the same error on every rank. A check failing on one rank only used to leave the other
-waiting in the first collective: the spawn below has a deadline, so a hang fails."""
+the same error on every rank (the functional losses, SVR around InfoNCE and KCL, ASK).
+A check failing on one rank only used to leave the other waiting in the first
+collective: the spawn below has a deadline, so a hang fails."""
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_ddp_average_matches, rank_data, spawn_ranks
+from helpers import assert_ddp_average_matches, init_gloo, rank_data, spawn_ranks
 
-from contrastive_losses import KnowledgeBank
+from contrastive_losses import (
+    ASKLoss,
+    InfoNCELoss,
+    KCLLoss,
+    KnowledgeBank,
+    SupportVectorRegularizer,
+)
 from contrastive_losses import functional as CF
 
 # name -> (sizes per rank, rank holding a NaN or None)
@@ -29,7 +34,26 @@ BANK_CASES = {
     "bank 0+3": ((0, 3), None),
     "bank nan_on_rank0": ((2, 3), 0),
 }
+# ASK: every rank searches the bank with its own samples, so a rank needs one.
+ASK_CASES = {
+    "1+6": None,
+    "0+2": r"^audio: batch size 0 on this rank; .*\(on rank 0; every",
+    "nan_on_rank1": None,
+}
 DEADLINE_S = 240  # the whole spawn; gloo's own timeout below is shorter
+
+
+def _svr(base, radius):
+    torch.manual_seed(0)  # the same predictor on every rank
+    return SupportVectorRegularizer(base, radius=radius).double()
+
+
+def _ask(gather: bool) -> ASKLoss:
+    g = torch.Generator().manual_seed(3)
+    kb = KnowledgeBank(4, backend="torch", num_prototypes=2, dtype=torch.float64)
+    audio, text = torch.randn(12, 4, generator=g), torch.randn(12, 4, generator=g)
+    kb.build(audio.double(), text.double(), torch.arange(12), gather=False)
+    return ASKLoss(kb, k=2, k_coarse=1, gather=gather)
 
 
 def _losses(gather: bool):
@@ -41,7 +65,23 @@ def _losses(gather: bool):
             a, t, 0.2, mask=m, negatives="all_languages", gather=gather
         ),
         "cacl": lambda a, t, m: CF.cacl(a, t[:, 0], t[:, 1], 0.2, gather=gather),
+        "svr_term": lambda a, t, m: CF.support_vector_term(a, t[:, 0], 0.1, 0.2, gather=gather),
+        "svr_info_nce": lambda a, t, m: _svr(InfoNCELoss(0.2, gather=gather), "dynamic")(
+            a, t[:, 0]
+        ),
+        "svr_kcl": lambda a, t, m: _svr(KCLLoss(0.2, gather=gather), 0.1)(a, t, m),
     }
+
+
+def _run(fn, a: torch.Tensor, t: torch.Tensor, *args) -> tuple:
+    """``(loss, a.grad, t.grad)``, or ``("error", type, message)``."""
+    a, t = a.clone().requires_grad_(), t.clone().requires_grad_()
+    try:
+        loss = fn(a, t, *args)
+    except (ValueError, TypeError) as err:
+        return ("error", type(err).__name__, str(err))
+    loss.backward()
+    return (loss.detach(), a.grad, t.grad)
 
 
 def _rows(sizes: tuple[int, ...], rank: int) -> slice:
@@ -57,24 +97,22 @@ def _case_data(case: str, cases: dict = CASES) -> dict[str, torch.Tensor]:
     return data
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    init_gloo(rank, world, init_method, timeout_s=60)
     try:
         results: dict[str, object] = {}
         for case, (sizes, _) in CASES.items():
             data = _case_data(case)
             rows = _rows(sizes, rank)
             for name, fn in _losses(gather=True).items():
-                a = data["audio"][rows].clone().requires_grad_()
-                t = data["text"][rows].clone().requires_grad_()
-                try:
-                    loss = fn(a, t, data["mask"][rows])
-                except (ValueError, TypeError) as err:
-                    results[case, name] = ("error", type(err).__name__, str(err))
-                    continue
-                loss.backward()
-                results[case, name] = (loss.detach(), a.grad, t.grad)
+                results[case, name] = _run(
+                    fn, data["audio"][rows], data["text"][rows], data["mask"][rows]
+                )
+            if case in ASK_CASES:
+                ids = torch.arange(100, 100 + sum(sizes))[rows]
+                results[case, "ask"] = _run(
+                    _ask(True), data["audio"][rows], data["text"][rows, 0], ids
+                )
         for case, (sizes, _) in BANK_CASES.items():
             data = _case_data(case, BANK_CASES)
             rows = _rows(sizes, rank)
@@ -110,8 +148,11 @@ def test_a_rank_with_one_sample_or_none_is_legal(rank_results, case, name):
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("1+0", r"^audio: global batch size 1 over 2 ranks is too small"),
-        ("nan_on_rank1", r"audio: contains 1 NaN/Inf value.* \(on rank 1; every rank raises it\)"),
+        ("1+0", r"^(audio|anchor): global batch size 1 over 2 ranks is too small"),
+        (
+            "nan_on_rank1",
+            r"^(audio|anchor): contains 1 NaN/Inf value.* \(on rank 1; every rank raises it\)",
+        ),
     ],
 )
 def test_an_error_on_one_rank_is_raised_on_every_rank(rank_results, case, message, name):
@@ -133,3 +174,26 @@ def test_a_bank_build_with_an_empty_rank_or_a_nan_on_one_rank(rank_results):
     assert outcomes[0][0] == "error"
     assert outcomes[0][2].startswith("audio_emb: contains 1 NaN/Inf"), outcomes[0]
     assert outcomes[0][2].endswith("(on rank 0; every rank raises it)"), outcomes[0]
+
+
+def test_ask_one_sample_on_a_rank_none_or_a_nan(rank_results):
+    """ASKLoss under gather: 1 + 6 is the single-process loss and gradient (DDP's average);
+    a rank with no sample (nothing to search the bank with) or a NaN raises the same error
+    on both ranks instead of leaving the other in the gather."""
+    for case, message in ASK_CASES.items():
+        outcomes = [r[case, "ask"] for r in rank_results]
+        if case == "nan_on_rank1":
+            message = r"^audio: contains 1 NaN/Inf value.* \(on rank 1; every rank raises it\)"
+        if message is None:
+            data = _case_data(case)
+            a, t = (
+                data["audio"].clone().requires_grad_(),
+                data["text"][:, 0].clone().requires_grad_(),
+            )
+            loss = _ask(False)(a, t, torch.arange(100, 100 + a.shape[0]))
+            loss.backward()
+            assert_ddp_average_matches([{"ask": o} for o in outcomes], "ask", loss, a, t)
+            continue
+        assert outcomes[0] == outcomes[1], outcomes
+        assert outcomes[0][:2] == ("error", "ValueError"), outcomes[0]
+        assert __import__("re").search(message, outcomes[0][2]), outcomes[0][2]

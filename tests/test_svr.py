@@ -5,7 +5,6 @@ two-process gather run."""
 from __future__ import annotations
 
 import io
-import os
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from helpers import (
     F64,
     RANK_SIZES,
     assert_ddp_average_matches,
+    init_gloo,
     randn,
     random_mask,
     rank_data,
@@ -608,6 +608,36 @@ def test_predictor_masked_candidates_are_ignored(gen):
         torch.testing.assert_close(out[r], predictor.mlp(expected)[0])
 
 
+@pytest.mark.parametrize("direction", ["bi", "uni"])
+def test_kcl_zero_padded_captions_equal_random_padding(gen, direction):
+    """Absent captions padded with zeros (the usual padding; KCL accepts it) give the same
+    SVR(KCL) loss and gradients as any other padding: the absent rows are never used."""
+    audio, text = randn(gen, 6, 8), randn(gen, 6, 3, 8)
+    mask = random_mask(gen, 6, 3, p=0.5)
+    assert not mask.all()
+    loss_fn = randomise(
+        SupportVectorRegularizer(KCLLoss(0.1), radius="dynamic", direction=direction)
+    ).double()
+    results = []
+    for pad in ("zeros", "random"):
+        a = audio.clone().requires_grad_()
+        padded = text.masked_fill(~mask[..., None], 0.0) if pad == "zeros" else text
+        t = padded.clone().requires_grad_()
+        loss_fn.zero_grad()
+        loss = loss_fn(a, t, mask)
+        loss.backward()
+        params = [p.grad.clone() for p in loss_fn.parameters() if p.grad is not None]
+        results.append((loss.detach(), a.grad, t.grad, params))
+    (l0, a0, t0, p0), (l1, a1, t1, p1) = results
+    torch.testing.assert_close(l0, l1, rtol=1e-12, atol=0)
+    torch.testing.assert_close(a0, a1, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(t0, t1, rtol=1e-10, atol=1e-14)
+    assert len(p0) == len(p1) > 0
+    for g0, g1 in zip(p0, p1, strict=True):
+        torch.testing.assert_close(g0, g1, rtol=1e-10, atol=1e-14)
+    assert not t0[~mask].any()  # absent captions get no gradient
+
+
 # ------------------------------------------------------------------ bad inputs
 
 
@@ -665,6 +695,14 @@ class _NotALoss(nn.Module):
             ValueError,
             "radius_init",
         ),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), radius=1e4 * 1.01), ValueError, "radius"),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), alpha=1e4 * 1.01), ValueError, "alpha"),
+        (lambda: SupportVectorRegularizer(InfoNCELoss(), beta=1e4 * 1.01), ValueError, "beta"),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), temperature=0.5e-4),
+            ValueError,
+            "temperature: .* below the smallest",
+        ),
         (lambda: RadiusPredictor(num_features=1), ValueError, "num_features"),
         (lambda: RadiusPredictor(hidden=0), ValueError, "hidden"),
     ],
@@ -719,12 +757,38 @@ def _good(gen):
             ValueError,
             "similarities: contains 15 NaN/Inf",
         ),
+        (lambda t, a: CF.support_vector_term(t, a, -1e4 * 1.01), ValueError, r"radius: .*<= 10000"),
+        (
+            lambda t, a: CF.support_vector_term(t, a, torch.full((4,), 1e5)),
+            ValueError,
+            r"radius: .*<= 10000",
+        ),
+        (
+            lambda t, a: RadiusPredictor(4)(torch.full((3, 5), 1e6 * 1.01)),
+            ValueError,
+            r"similarities: .* exceeds 1e\+06",
+        ),
+        (lambda t, a: RadiusPredictor(4)(torch.rand(3, 5), None), TypeError, "offset"),
+        (lambda t, a: RadiusPredictor(4)(torch.rand(3, 5), "1"), TypeError, "offset"),
     ],
 )
 def test_bad_call_names_the_argument(gen, call, error, match):
     t, a = _good(gen)
     with pytest.raises(error, match=match):
         call(t, a)
+
+
+def test_the_bounds_themselves_are_accepted(gen):
+    """Radius, weights and similarities at their bounds give finite losses and gradients."""
+    t, a = _good(gen)
+    t.requires_grad_()
+    for radius in (1e4, torch.full((4,), -1e4)):
+        loss = CF.support_vector_term(t, a, radius, 1e-4)
+        (g,) = torch.autograd.grad(loss, t)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+    svr = SupportVectorRegularizer(InfoNCELoss(), radius=1e4, alpha=1e4, beta=1e4).double()
+    assert torch.isfinite(svr(a, t))
+    assert torch.isfinite(RadiusPredictor(4)(torch.full((3, 5), 1e6))).all()
 
 
 @pytest.mark.parametrize("which", ["anchor", "candidates"])
@@ -900,9 +964,8 @@ def _dist_cases():
     }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    init_gloo(rank, world, init_method)
     try:
         torch.set_num_threads(1)
         data = rank_data()

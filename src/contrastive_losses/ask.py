@@ -32,6 +32,7 @@ from ._checks import (
     check_embeddings,
     check_ids,
     check_int,
+    check_materialised,
     check_non_negative,
     check_positive,
     check_reduction,
@@ -40,7 +41,12 @@ from ._checks import (
     check_same_size,
 )
 from .bank import KnowledgeBank
-from .distributed import all_gather_no_grad, all_gather_with_grad, resolve_gather
+from .distributed import (
+    all_gather_no_grad,
+    all_gather_with_grad,
+    resolve_gather,
+    validate_together,
+)
 from .ot import sinkhorn
 
 __all__ = ["ASKLoss", "ask", "inject", "reliability"]
@@ -161,12 +167,26 @@ def reliability(anchor: Tensor, partners: Tensor, retrieved: Tensor) -> tuple[Te
     return (log_w + sims).logsumexp(dim=-1), log_w.exp()
 
 
+# Knowledge rows are used as given; a KnowledgeBank stores unit rows. Up to this norm the
+# injected similarities stay below 1e8 and their logits and Sinkhorn exponents finite in
+# float32; beyond it the rows are no embeddings of the space (products overflow at ~1e19).
+MAX_KNOWLEDGE_NORM = 1e4
+
+
 def _check_knowledge(t: Tensor | None, name: str, ref: Tensor) -> Tensor | None:
     if t is None:
         return None
     t = check_embeddings(t, name, ndim=4, dims="(B, K, 2, D)", min_batch=1, check_values=False)
-    # Knowledge is never normalised here, so zero rows are fine; one norm pass finds NaN/Inf.
-    check_row_norms(t, name, nonzero=False)
+    # Knowledge is never normalised here, so zero rows are fine; one norm pass (one host
+    # sync) finds NaN/Inf and oversized rows alike (the comparison is False for NaN).
+    check_materialised(t, name)
+    if not bool((torch.linalg.vector_norm(t.detach(), dim=-1) <= MAX_KNOWLEDGE_NORM).all()):
+        norms = check_row_norms(t, name, nonzero=False)  # raises on NaN/Inf
+        raise ValueError(
+            f"{name}: a knowledge row has L2 norm {float(norms.max()):.3g}, above "
+            f"{MAX_KNOWLEDGE_NORM:g} (a KnowledgeBank stores unit rows; rows this large "
+            "overflow the similarities)"
+        )
     check_same_size(ref, "audio", t, name, 0, "batch size B")
     check_same_size(ref, "audio", t, name, -1, "embedding dim D")
     if t.shape[1] == 0:
@@ -554,18 +574,29 @@ class ASKLoss(nn.Module):
         self, audio: Tensor, text: Tensor, ids: Tensor | None = None, return_terms: bool = False
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """Loss for the batch; ``ids`` are the dataset ids (a sample never retrieves itself)."""
-        audio = check_embeddings(audio, "audio", ndim=2, dims="(B, D)")
-        text = check_embeddings(text, "text", ndim=2, dims="(B, D)")
-        check_same_size(audio, "audio", text, "text", 0, "batch size B")
-        if ids is None:
-            raise ValueError(
-                "ids: required; pass the dataset id of each pair so that a sample never "
-                "retrieves itself (or its caption siblings) from the bank"
-            )
-        ids = check_ids(ids, "ids", audio.shape[0], audio)
-        knowledge: dict[str, Any] = self.retrieve(audio, text, ids)
+        enabled = resolve_gather(self.gather)
+        # Under gather a check failing on one rank is raised on every rank (no rank is left
+        # waiting in the gather); the global batch needs 2 samples, a rank 1.
+        with validate_together(enabled, audio) as v:
+            audio = check_embeddings(audio, "audio", ndim=2, dims="(B, D)", min_batch=v.min_batch)
+            text = check_embeddings(text, "text", ndim=2, dims="(B, D)", min_batch=v.min_batch)
+            if audio.shape[0] == 0:
+                raise ValueError(
+                    "audio: batch size 0 on this rank; ASKLoss needs a sample on every rank "
+                    "(each rank searches the bank with its own samples)"
+                )
+            check_same_size(audio, "audio", text, "text", 0, "batch size B")
+            check_same_size(audio, "audio", text, "text", 1, "embedding dim D")
+            if ids is None:
+                raise ValueError(
+                    "ids: required; pass the dataset id of each pair so that a sample never "
+                    "retrieves itself (or its caption siblings) from the bank"
+                )
+            ids = check_ids(ids, "ids", audio.shape[0], audio)
+            knowledge: dict[str, Any] = self.retrieve(audio, text, ids)
+            v.batch = audio.shape[0]
         b, offset = audio.shape[0], 0
-        if resolve_gather(self.gather):
+        if enabled:
             # Sinkhorn couples every pair of the batch, so each rank evaluates the loss of
             # the global batch (cheap next to the encoders) and its gradient reaches the
             # owners through the gather; the mean over ranks is the single-process loss.

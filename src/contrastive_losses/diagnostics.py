@@ -118,7 +118,7 @@ def force_decomposition(
     Args:
         anchor: ``(B, D)`` (text for the text-to-audio direction).
         candidates: ``(B, D)``; ``candidates[i]`` is the positive of ``anchor[i]``.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau \ge 10^{-4}`.
         radius: ``None`` (plain InfoNCE), a float, a 0-d or ``(B,)`` tensor.
         normalize: L2-normalise the inputs first (forces act on the normalised anchor).
         mask: optional bool ``(B,)`` of present pairs; absent rows are 0 and absent

@@ -922,6 +922,22 @@ def _radius_features(
     return torch.cat([s_pos[..., None], top], dim=-1)  # (..., b, num_features)
 
 
+# The radius is a distance in the embedding space, where normalised embeddings are at most
+# 2 apart. Up to 1e4 the support vector's logits (about R/temperature <= 1e8 at the 1e-4
+# temperature floor) stay finite in float32; 1e40 is inf in float32 and gave NaN.
+MAX_RADIUS = 1e4
+
+
+def check_radius(value: float, name: str = "radius") -> float:
+    """A finite float radius with ``|value| <= MAX_RADIUS``; returns it."""
+    if value != value or abs(value) > MAX_RADIUS:
+        raise ValueError(
+            f"{name}: must be finite with |{name}| <= {MAX_RADIUS:g} (a distance in the "
+            f"embedding space; unit embeddings are at most 2 apart), got {value}"
+        )
+    return float(value)
+
+
 def _radius_tensor(radius: object, b: int, ref: Tensor) -> Tensor | float:
     if isinstance(radius, Tensor):
         if radius.dim() > 1 or (radius.dim() == 1 and radius.shape[0] != b):
@@ -930,15 +946,17 @@ def _radius_tensor(radius: object, b: int, ref: Tensor) -> Tensor | float:
                 f"anchors, got shape {tuple(radius.shape)}"
             )
         _checks.check_float(radius, "radius")
-        _checks.check_finite(radius, "radius")
+        _checks.check_materialised(radius, "radius")
         if radius.device != ref.device:
             raise ValueError(f"radius: on device {radius.device} but anchor is on {ref.device}")
+        peak = radius.detach().abs().amax() if radius.numel() else radius.new_zeros(())
+        if not bool(peak <= MAX_RADIUS):  # False for NaN: one host sync for NaN, Inf, the bound
+            _checks.check_finite(radius, "radius")
+            check_radius(float(peak))
         return radius.to(ref.dtype)
     if isinstance(radius, bool) or not isinstance(radius, (int, float)):
         raise TypeError(f"radius: expected a float or a tensor, got {type(radius).__name__}")
-    if radius != radius or abs(radius) == float("inf"):
-        raise ValueError(f"radius: must be finite, got {radius}")
-    return float(radius)
+    return check_radius(radius)
 
 
 def support_vector_term(
@@ -978,8 +996,9 @@ def support_vector_term(
     Args:
         anchor: anchors ``(B, D)`` (text for text-to-audio SVR).
         candidates: candidates ``(B, D)``; ``candidates[i]`` is the positive of ``anchor[i]``.
-        radius: :math:`R`: a float, a 0-d tensor, or one radius per anchor ``(B,)``.
-        temperature: :math:`\tau > 0`.
+        radius: :math:`R`: a float, a 0-d tensor, or one radius per anchor ``(B,)``;
+            :math:`|R| \le 10^4`.
+        temperature: :math:`\tau \ge 10^{-4}`, a float or a 0-d tensor.
         normalize: L2-normalise the inputs first.
         mask: optional bool ``(B,)``: ``False`` drops the pair as an anchor and as a
             candidate (an absent caption).
@@ -1004,19 +1023,21 @@ def support_vector_term(
         >>> bool(torch.isclose(support_vector_term(text, audio, 0.0), terms["loss_t2a"]))
         True
     """
-    _checks.check_reduction(reduction)
-    _temperature(temperature)
-    dtype = getattr(anchor, "dtype", None)
-    if dtype is not None and dtype == getattr(candidates, "dtype", None):
-        anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
-    x = _embeddings(anchor, "anchor", "(B, D)", normalize)
-    y = _embeddings(candidates, "candidates", "(B, D)", normalize)
-    _check_pair(x, "anchor", y, "candidates")
-    b = x.shape[0]
-    r = _radius_tensor(radius, b, x)
-    if mask is not None:
-        mask = _check_row_mask(mask, b, x)
     enabled = resolve_gather(gather)
+    with validate_together(enabled, anchor, name="anchor") as v:
+        _checks.check_reduction(reduction)
+        _temperature(temperature)
+        dtype = getattr(anchor, "dtype", None)
+        if dtype is not None and dtype == getattr(candidates, "dtype", None):
+            anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
+        x = _embeddings(anchor, "anchor", "(B, D)", normalize, v.min_batch)
+        y = _embeddings(candidates, "candidates", "(B, D)", normalize, v.min_batch)
+        _check_pair(x, "anchor", y, "candidates")
+        b = x.shape[0]
+        r = _radius_tensor(radius, b, x)
+        if mask is not None:
+            mask = _check_row_mask(mask, b, x)
+        v.batch = b
     y_all, offset = _gather(y, enabled)
     m_all = None if mask is None else (all_gather_no_grad(mask) if enabled else mask)
     per_row = _support_vector_rows(

@@ -312,7 +312,11 @@ class KCLLoss(_TemperatureMixin):
         self, audio: Tensor, text: Tensor, mask: Tensor | None = None
     ) -> list[ContrastivePair]:
         """One ``(audio, captions of language k)`` pair per language, rows masked."""
-        _checks.check_embeddings(text, "text", ndim=3, dims="(B, K, D)", check_values=False)
+        # Layout only: forward validated the batch (its size globally, under gather, where
+        # a rank may hold one sample or none; a local minimum here would fail one rank alone).
+        _checks.check_embeddings(
+            text, "text", ndim=3, dims="(B, K, D)", min_batch=0, check_values=False
+        )
         return [
             ContrastivePair(audio, text[:, k], None if mask is None else mask[:, k])
             for k in range(text.shape[1])

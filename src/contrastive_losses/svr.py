@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checks
-from .distributed import all_gather_no_grad, resolve_gather
+from .distributed import all_gather_no_grad, resolve_gather, validate_together
 from .functional import (
     _batch,
     _distance,
@@ -29,7 +29,9 @@ from .functional import (
     _radius_slope,
     _reduce,
     _support_vector_logits,
+    _temperature,
     _upcast_half,
+    check_radius,
     l2_normalize,
 )
 
@@ -37,6 +39,19 @@ __all__ = ["RadiusPredictor", "SupportVectorRegularizer"]
 
 RADIUS_MODES = ("static", "dynamic")
 DIRECTIONS = ("bi", "uni")
+# alpha and beta weigh terms of order log(B) against the base loss; 1e4 already drowns
+# the base, and 1e40 overflowed the loss to inf in float32.
+MAX_WEIGHT = 1e4
+# The predictor reads cos/temperature, at most 1e4 in magnitude at the 1e-4 temperature
+# floor; far larger rows are no similarities and overflow its first layer (float32 max
+# gave NaN).
+MAX_SIMILARITY = 1e6
+
+
+def _check_weight(value: float, name: str) -> None:
+    _checks.check_non_negative(value, name)
+    if value > MAX_WEIGHT:
+        raise ValueError(f"{name}: must be <= {MAX_WEIGHT:g} (a loss weight), got {value}")
 
 
 class RadiusPredictor(nn.Module):
@@ -59,7 +74,8 @@ class RadiusPredictor(nn.Module):
     embeddings' gradient is the one of :func:`~contrastive_losses.functional.support_vector_term`
     at the predicted :math:`R`. The output is unconstrained (the regulariser's constraint
     term penalises :math:`R < 0`). The last layer starts at zero weight and bias
-    ``radius_init``, so every anchor starts at the same radius. NaN or Inf similarities
+    ``radius_init``, so every anchor starts at the same radius. NaN or Inf similarities,
+    or any above ``1e6`` in magnitude (cos/τ is at most ``1e4`` at the temperature floor),
     raise a ``ValueError``.
 
     Args:
@@ -96,7 +112,7 @@ class RadiusPredictor(nn.Module):
         """The detached ``(..., B, num_features)`` input rows ``[s_pos, sorted negatives]``."""
         s = _checks.check_tensor(similarities, "similarities")
         _checks.check_float(s, "similarities")
-        _checks.check_finite(s, "similarities")
+        _checks.check_materialised(s, "similarities")
         if s.dim() < 2:
             raise ValueError(
                 f"similarities: expected shape (..., B, N), got shape {tuple(s.shape)}"
@@ -104,7 +120,15 @@ class RadiusPredictor(nn.Module):
         b, n = s.shape[-2], s.shape[-1]
         if n < 2:
             raise ValueError(f"similarities: need N >= 2 candidates (a negative), got N={n}")
-        if offset < 0 or offset + b > n:
+        peak = float(s.detach().abs().amax()) if s.numel() else 0.0  # NaN if any is NaN
+        if not peak <= MAX_SIMILARITY:  # one host sync for NaN, Inf and the bound
+            _checks.check_finite(s, "similarities")
+            raise ValueError(
+                f"similarities: |value| up to {peak:.3g} exceeds {MAX_SIMILARITY:g}; the "
+                "predictor reads cos/temperature, at most 1e4 at the temperature floor"
+            )
+        _checks.check_int(offset, "offset", 0)
+        if offset + b > n:
             raise ValueError(f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns")
         if mask is not None and tuple(mask.shape) != (*s.shape[:-2], n):
             raise ValueError(f"mask: expected shape {(*s.shape[:-2], n)}, got {tuple(mask.shape)}")
@@ -186,15 +210,17 @@ class SupportVectorRegularizer(nn.Module):
         base: a loss Module with ``contrastive_pairs`` (:class:`~contrastive_losses.InfoNCELoss`,
             :class:`~contrastive_losses.SigLIPLoss`, :class:`~contrastive_losses.KCLLoss`,
             :class:`~contrastive_losses.CACLLoss`) and ``reduction="mean"``.
-        radius: ``"static"``, ``"dynamic"`` (default) or a fixed float ``>= 0``.
+        radius: ``"static"``, ``"dynamic"`` (default) or a fixed float in ``[0, 1e4]``.
         direction: ``"bi"`` (default) or ``"uni"`` (text anchors only).
-        alpha: weight of the SVR term, the paper's :math:`\alpha` (default 1.0).
-        beta: weight of the constraint term, the paper's :math:`\beta` (default 0.01).
+        alpha: weight of the SVR term, the paper's :math:`\alpha` (default 1.0), in
+            ``[0, 1e4]``.
+        beta: weight of the constraint term, the paper's :math:`\beta` (default 0.01), in
+            ``[0, 1e4]``.
         constraint: add the constraint term; ``None`` means on for ``"dynamic"`` only.
-        radius_init: initial radius, static or dynamic (default 0.1).
+        radius_init: initial radius, static or dynamic (default 0.1), in ``[0, 1e4]``.
         num_features: predictor input size (positive + negatives), ``>= 2``.
         hidden: predictor hidden width.
-        temperature: fixed SVR temperature overriding the base's.
+        temperature: fixed SVR temperature overriding the base's, :math:`\tau \ge 10^{-4}`.
 
     Shape:
         ``forward(*base_args, return_terms=False, **base_kwargs)`` takes exactly the
@@ -243,12 +269,13 @@ class SupportVectorRegularizer(nn.Module):
                 f"base: {type(base).__name__} has no temperature property; pass temperature="
             )
         if temperature is not None:
-            _checks.check_positive(temperature, "temperature")
+            _temperature(temperature)
         _check_base_reduction(base)
         _checks.check_choice(direction, "direction", DIRECTIONS)
-        _checks.check_non_negative(alpha, "alpha")
-        _checks.check_non_negative(beta, "beta")
+        _check_weight(alpha, "alpha")
+        _check_weight(beta, "beta")
         _checks.check_non_negative(radius_init, "radius_init")
+        check_radius(radius_init, "radius_init")
         if constraint is not None and not isinstance(constraint, bool):
             raise TypeError(f"constraint: expected None, True or False, got {constraint!r}")
         self.base = base
@@ -266,6 +293,7 @@ class SupportVectorRegularizer(nn.Module):
                 self.predictor = RadiusPredictor(num_features, hidden, radius_init)
         elif isinstance(radius, (int, float)) and not isinstance(radius, bool):
             _checks.check_non_negative(radius, "radius")
+            check_radius(radius)
             self.radius_mode = "fixed"
             self.register_buffer("radius", torch.tensor(float(radius)))
         else:
@@ -432,17 +460,13 @@ class SupportVectorRegularizer(nn.Module):
         batched over the ``Q = P`` (uni) or ``2P`` (bi) anchor/candidate problems on
         ``(Q, b, N)`` similarity tensors.
         """
-        if len(pairs) == 0:
-            raise ValueError("base: contrastive_pairs returned no pairs")
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
         local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
         glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
         grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
-        offset = 0
 
-        def prepare(x: Tensor) -> int:
-            nonlocal offset
+        def prepare(x: Tensor, name: str, mask: Tensor | None = None) -> int:
             key = id(x)
             if key not in local:
                 if x.dim() != 2:
@@ -451,8 +475,9 @@ class SupportVectorRegularizer(nn.Module):
                         f"{tuple(x.shape)}"
                     )
                 x = _upcast_half(x)  # float32 inside, as support_vector_term
-                local[key] = l2_normalize(x) if normalize else x
-                glob[key], offset = _gather(local[key], enabled)
+                if normalize:  # masked rows may be zero padding, as in the base (KCL)
+                    x = l2_normalize(x, _checks.check_row_norms(x, name, mask=mask))
+                local[key] = x
             return key
 
         def gram(key: int) -> Tensor:
@@ -460,14 +485,25 @@ class SupportVectorRegularizer(nn.Module):
                 grams[key] = _gram(local[key], glob[key], enabled)
             return grams[key]
 
-        keys = [(prepare(p.audio), prepare(p.text)) for p in pairs]
-        shapes = {tuple(x.shape) for x in local.values()}
-        if len(shapes) != 1:
-            raise ValueError(
-                f"base: contrastive_pairs gave tensors of shapes {sorted(shapes)}; every pair "
-                "needs (B, D) audio and text of one shape"
-            )
-        b = next(iter(local.values())).shape[0]
+        # Every check before the first collective, and together: a rank failing alone
+        # raises on every rank instead of leaving the others in the gather.
+        first = pairs[0].audio if pairs else None
+        with validate_together(enabled, first) as v:
+            if len(pairs) == 0:
+                raise ValueError("base: contrastive_pairs returned no pairs")
+            # The mask marks absent captions: text rows only (one audio serves every language).
+            keys = [(prepare(p.audio, "audio"), prepare(p.text, "text", p.mask)) for p in pairs]
+            shapes = {tuple(x.shape) for x in local.values()}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"base: contrastive_pairs gave tensors of shapes {sorted(shapes)}; every "
+                    "pair needs (B, D) audio and text of one shape"
+                )
+            b = next(iter(local.values())).shape[0]
+            v.batch = b
+        offset = 0
+        for key, x in local.items():  # the same order on every rank
+            glob[key], offset = _gather(x, enabled)
 
         def stack(xs: list[Tensor]) -> Tensor:
             return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
