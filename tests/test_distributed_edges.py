@@ -15,6 +15,7 @@ from helpers import assert_ddp_average_matches, init_gloo, rank_data, spawn_rank
 
 from contrastive_losses import (
     ASKLoss,
+    CACLLoss,
     InfoNCELoss,
     KCLLoss,
     KnowledgeBank,
@@ -65,6 +66,10 @@ def _losses(gather: bool):
             a, t, 0.2, mask=m, negatives="all_languages", gather=gather
         ),
         "cacl": lambda a, t, m: CF.cacl(a, t[:, 0], t[:, 1], 0.2, gather=gather),
+        # the (B, K, D) form: its language checks run before cacl's gather
+        "cacl_module": lambda a, t, m: CACLLoss(0.2, gather=gather)(
+            a, t, torch.ones(len(a), dtype=torch.long)
+        ),
         "svr_term": lambda a, t, m: CF.support_vector_term(a, t[:, 0], 0.1, 0.2, gather=gather),
         "svr_info_nce": lambda a, t, m: _svr(InfoNCELoss(0.2, gather=gather), "dynamic")(
             a, t[:, 0]

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from . import _checks
 from . import functional as CF
+from .distributed import resolve_gather, validate_together
 
 __all__ = ["CACLLoss", "ContrastivePair", "InfoNCELoss", "KCLLoss", "SigLIPLoss"]
 
@@ -387,32 +388,46 @@ class CACLLoss(_TemperatureMixin):
                     "captions as a (B, D) tensor"
                 )
             return audio, text, other
-        text = _checks.check_embeddings(
-            text, "english_or_text", ndim=3, dims="(B, K, D)", check_values=False
-        )
-        b, k_langs = text.shape[:2]
-        if self.english_index >= k_langs:
-            raise ValueError(
-                f"english_index: {self.english_index} is outside the K = {k_langs} languages "
-                f"of english_or_text (shape {tuple(text.shape)})"
+        # Under gather these checks run on every rank together (a rank's error is raised on
+        # all), else one failing rank would leave the others waiting in cacl's gather; the
+        # global batch size is cacl's to check.
+        with validate_together(resolve_gather(self.gather), text, min_global=0) as v:
+            text = _checks.check_embeddings(
+                text,
+                "english_or_text",
+                ndim=3,
+                dims="(B, K, D)",
+                check_values=False,
+                min_batch=v.min_batch,
             )
-        if mask is not None:
-            mask = _checks.check_mask(mask, "mask", (b, k_langs), text)
-        if other is None:
-            other = CF.sample_languages(
-                mask if mask is not None else k_langs,
-                batch_size=b,
-                generator=generator,
-                english_index=self.english_index,
-            )
-        index = _checks.check_ids(other, "other", b, text)
-        if bool(((index < 0) | (index >= k_langs)).any()):
-            raise ValueError(f"other: language indices must lie in [0, {k_langs}), got {index}")
-        if bool((index == self.english_index).any()):
-            raise ValueError(f"other: index {self.english_index} is English; CACL needs another")
-        if mask is not None and not bool(mask[torch.arange(b, device=text.device), index].all()):
-            raise ValueError("other: points at captions that the mask marks absent")
-        rows = torch.arange(b, device=text.device)
+            b, k_langs = text.shape[:2]
+            if self.english_index >= k_langs:
+                raise ValueError(
+                    f"english_index: {self.english_index} is outside the K = {k_langs} languages "
+                    f"of english_or_text (shape {tuple(text.shape)})"
+                )
+            if mask is not None:
+                mask = _checks.check_mask(mask, "mask", (b, k_langs), text)
+            if other is None:
+                other = CF.sample_languages(
+                    mask if mask is not None else k_langs,
+                    batch_size=b,
+                    generator=generator,
+                    english_index=self.english_index,
+                )
+            index = _checks.check_ids(other, "other", b, text)
+            if bool(((index < 0) | (index >= k_langs)).any()):
+                raise ValueError(f"other: language indices must lie in [0, {k_langs}), got {index}")
+            if bool((index == self.english_index).any()):
+                raise ValueError(
+                    f"other: index {self.english_index} is English; CACL needs another"
+                )
+            if mask is not None and not bool(
+                mask[torch.arange(b, device=text.device), index].all()
+            ):
+                raise ValueError("other: points at captions that the mask marks absent")
+            rows = torch.arange(b, device=text.device)
+            v.batch = b
         return audio, text[:, self.english_index], text[rows, index]
 
     def resolve_inputs(
