@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ask-k", type=int, default=10, help="ASK: neighbours retrieved")
     g.add_argument("--ask-prototypes", type=int, default=512, help="ASK: bank prototypes")
     g.add_argument(
+        "--ask-k-coarse", type=int, default=10, help="ASK: prototypes retrieved per sample"
+    )
+    g.add_argument(
         "--ask-refresh-every", type=int, default=15, help="epochs between bank refreshes"
     )
     g.add_argument(

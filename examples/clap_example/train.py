@@ -89,6 +89,7 @@ def build_loss(args: argparse.Namespace) -> nn.Module:
         return cl.ASKLoss(
             bank,
             k=args.ask_k,
+            k_coarse=args.ask_k_coarse,
             injection_ratio=args.ask_injection_ratio,
             temperature=args.temperature,
         )

@@ -78,7 +78,7 @@ CASES = [
 def test_every_loss_and_svr_mode_trains(
     tmp_path: Path, base_config: dict[str, Any], loss: str, svr: str, direction: str
 ) -> None:
-    extra: dict[str, Any] = {"ask_k": 3, "ask_prototypes": 4} if loss == "ask" else {}
+    extra: dict[str, Any] = {"ask_k": 3, "ask_prototypes": 4, "ask_k_coarse": 2} if loss == "ask" else {}
     result = run(
         tmp_path,
         base_config,
@@ -174,6 +174,7 @@ def test_ask_bank_is_refreshed_and_restored_on_resume(
         "loss": "ask",
         "ask_k": 3,
         "ask_prototypes": 4,
+        "ask_k_coarse": 2,
         "ask_refresh_every": 1,
         "ask_backend": "torch",
         "pair_language": "random",
