@@ -78,7 +78,9 @@ CASES = [
 def test_every_loss_and_svr_mode_trains(
     tmp_path: Path, base_config: dict[str, Any], loss: str, svr: str, direction: str
 ) -> None:
-    extra: dict[str, Any] = {"ask_k": 3, "ask_prototypes": 4, "ask_k_coarse": 2} if loss == "ask" else {}
+    extra: dict[str, Any] = (
+        {"ask_k": 3, "ask_prototypes": 4, "ask_k_coarse": 2} if loss == "ask" else {}
+    )
     result = run(
         tmp_path,
         base_config,
