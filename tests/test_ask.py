@@ -443,6 +443,8 @@ def test_function_bad_input():
         ask(a, t, fa, ft, ot_weight=-0.1)
     with pytest.raises(ValueError, match="lambda_fine"):
         ask(a, t, fa, ft, lambda_fine=-1.0)
+    with pytest.raises(ValueError, match=r"lambda_fine \+ lambda_coarse: must be below 1"):
+        ask(a, t, fa, ft, lambda_fine=0.6, lambda_coarse=0.4)
     with pytest.raises(ValueError, match="epsilon"):
         ask(a, t, fa, ft, epsilon=0.0)
     with pytest.raises(ValueError, match="plan"):

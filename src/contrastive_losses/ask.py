@@ -83,6 +83,15 @@ def _check_hparams(
     _check_ratio(ot_weight, "ot_weight")
     check_non_negative(lambda_fine, "lambda_fine")
     check_non_negative(lambda_coarse, "lambda_coarse")
+    # F lies in [-1, 1] for unit embeddings, so 1 + lambda_f F_f + lambda_c F_c > 0 needs
+    # lambda_f + lambda_c < 1: a larger sum can make the modulation negative and turn
+    # minimising the loss into maximising the contrastive term.
+    if lambda_fine + lambda_coarse >= 1:
+        raise ValueError(
+            f"lambda_fine + lambda_coarse: must be below 1 so that the modulation "
+            f"1 + lambda_f F_f + lambda_c F_c stays positive (F lies in [-1, 1]), got "
+            f"{lambda_fine} + {lambda_coarse}"
+        )
     check_positive(epsilon, "epsilon")
     check_positive(temperature, "temperature")
     check_int(sinkhorn_iters, "sinkhorn_iters", 1)
@@ -278,7 +287,8 @@ def ask(
             ``None`` (both).
         injection_ratio: :math:`\rho \in [0, 1]`, share of knowledge in the injected embedding.
         ot_weight: :math:`\beta \in [0, 1]`, share of the transported similarities.
-        lambda_fine: :math:`\lambda_f \ge 0`; lambda_coarse: :math:`\lambda_c \ge 0`.
+        lambda_fine: :math:`\lambda_f \ge 0`; lambda_coarse: :math:`\lambda_c \ge 0`, with
+            :math:`\lambda_f + \lambda_c < 1` so that the modulation stays positive.
         epsilon: Sinkhorn regularisation, in cosine-similarity units.
         temperature: :math:`\tau` of the logits (the potentials have none, as printed).
         sinkhorn_iters: Sinkhorn iterations.
