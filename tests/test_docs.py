@@ -141,12 +141,23 @@ def test_docstring_examples(name: str) -> None:
     assert result.failed == 0, f"{result.failed} docstring example(s) of {name} failed"
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def test_ddp_snippet_runs_on_two_processes() -> None:
     script = DOCS / "snippets" / "ddp_train.py"
     # --standalone: rendezvous on a free localhost port, so parallel test runs do not clash.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = _env() | {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([*cmd, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    if run.returncode != 0 and GLOO_EXIT_ABORT in run.stderr:
+        # gloo can abort a rank at interpreter exit, after destroy_process_group, with this
+        # message (seen 2-3 in 20 runs on a loaded 2-core machine, with the loss's gather
+        # on or off: plain DDP + gloo teardown, not this library). One more run, so the
+        # test still needs a clean exit, and fails on anything else at once.
+        run = subprocess.run(
+            [*cmd, str(script)], capture_output=True, text=True, env=env, timeout=120
+        )
     assert run.returncode == 0, run.stdout + run.stderr
     temperatures = [line for line in run.stdout.splitlines() if line.startswith("temperature")]
     assert len(temperatures) == 1, run.stdout
