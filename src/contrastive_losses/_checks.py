@@ -62,9 +62,17 @@ def stable_row_norms(x: Tensor) -> Tensor:
     norm. Detached; float32 (float64 for float64 ``x``).
     """
     xd = x.detach() if x.dtype == torch.float64 else x.detach().float()
-    peak = xd.abs().amax(dim=-1, keepdim=True)
-    safe = torch.where(peak > 0, peak, torch.ones_like(peak))
-    return torch.linalg.vector_norm(xd / safe, dim=-1) * safe.squeeze(-1)
+    scaled, peak = peak_scaled_rows(xd)
+    return torch.linalg.vector_norm(scaled, dim=-1) * peak.squeeze(-1)
+
+
+def peak_scaled_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x``'s rows (last dim) divided by their largest magnitude, and that magnitude
+    ``(..., 1)`` (1 for all-zero rows): entries in ``[-1, 1]`` whose squares and products
+    neither overflow nor underflow."""
+    peak = x.abs().amax(dim=-1, keepdim=True)
+    peak = torch.where(peak > 0, peak, torch.ones_like(peak))
+    return x / peak, peak
 
 
 def check_row_norms(
@@ -187,16 +195,23 @@ def check_same_device_dtype(tensors: Sequence[tuple[Tensor, str]]) -> None:
             )
 
 
-def check_positive(value: float | Tensor, name: str) -> float:
-    """A strictly positive finite scalar (temperature, epsilon, ...); returns it as a float."""
+def check_scalar(value: float | Tensor, name: str, *, floating: bool = False) -> float:
+    """A real scalar, a Python int or float (not bool) or a one-element tensor (of a
+    floating dtype with ``floating``); returns it as a float."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name}: expected a scalar, got shape {_shape(value)}")
-        v = float(value.detach())
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        v = float(value)
-    else:
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+        if floating:
+            check_float(value, name)
+        return float(value.detach())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")
+
+
+def check_positive(value: float | Tensor, name: str) -> float:
+    """A strictly positive finite scalar (temperature, epsilon, ...); returns it as a float."""
+    v = check_scalar(value, name)
     if not v > 0 or v != v or v == float("inf"):
         raise ValueError(f"{name}: must be a finite number > 0, got {v}")
     return v

@@ -244,10 +244,8 @@ def trajectory_drift(update: Tensor, pull: Tensor, *, eps: float = 1e-12) -> Ten
     # Each row divided by its largest magnitude first: entries near the dtype's max or
     # min would overflow or underflow the dot product and the norms. The floor eps on
     # |u||p| becomes eps / (s_u s_p) on the scaled norms (float64 scale product).
-    u, p = update.detach(), pull.detach()
-    s_u, s_p = u.abs().amax(-1, keepdim=True), p.abs().amax(-1, keepdim=True)
-    u = u / torch.where(s_u > 0, s_u, torch.ones_like(s_u))
-    p = p / torch.where(s_p > 0, s_p, torch.ones_like(s_p))
+    u, s_u = _checks.peak_scaled_rows(update.detach())
+    p, s_p = _checks.peak_scaled_rows(pull.detach())
     dot = (u * p).sum(-1)
     floor = eps / (s_u.squeeze(-1).double() * s_p.squeeze(-1).double())
     norms = u.norm(dim=-1) * p.norm(dim=-1)
