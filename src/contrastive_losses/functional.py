@@ -116,15 +116,7 @@ def _check_scale(scale: float | Tensor) -> None:
 
 def _check_bias(bias: float | Tensor) -> None:
     """A finite real scalar (SigLIP's bias may be negative or zero) of moderate size."""
-    if isinstance(bias, Tensor):
-        if bias.numel() != 1:
-            raise ValueError(f"bias: expected a scalar, got shape {tuple(bias.shape)}")
-        _checks.check_float(bias, "bias")
-        value = float(bias.detach())
-    elif isinstance(bias, (int, float)) and not isinstance(bias, bool):
-        value = float(bias)
-    else:
-        raise TypeError(f"bias: expected a float or a 0-d tensor, got {type(bias).__name__}")
+    value = _checks.check_scalar(bias, "bias", floating=True)
     if value != value or abs(value) == float("inf"):
         raise ValueError(f"bias: must be finite, got {value}")
     if abs(value) > 1 / MIN_TEMPERATURE:  # a logit of its own: the same bound as the scale
