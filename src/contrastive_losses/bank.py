@@ -73,8 +73,8 @@ def _unit_rows(x: Tensor, name: str) -> Tensor:
     Not ``F.normalize``: its ``eps = 1e-12`` floor leaves rows with smaller norms
     un-normalised, and in float32 rows with entries above ~1e19 become zeros.
     """
-    check_row_norms(x, name)
-    return x.detach().float() / stable_row_norms(x).float().unsqueeze(-1)
+    xf = x.detach().float()
+    return xf / check_row_norms(xf, name).unsqueeze(-1)  # stable norms where squares overflow
 
 
 def _dist_world() -> int:
