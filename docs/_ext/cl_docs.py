@@ -6,9 +6,14 @@
   is absent or fails to import stops the build, and so does a public module under
   ``src/contrastive_losses/`` that ``API_MODULES`` forgot. Every name in a module's
   ``__all__`` is documented exactly once: at the top level when ``contrastive_losses``
-  exports it (that is what users import), else on its module's page.
+  exports it (that is what users import), else on the page of the module that defines it
+  (``info_nce`` on ``infonce``'s page, beside ``InfoNCELoss``'s method), else (defined in
+  a private module) on the first page that lists it. A face that re-exports names
+  (``functional``, ``losses``) lists them with links.
 * **Aliases.** A cross-reference to ``contrastive_losses.<module>.<Name>`` resolves to
-  ``contrastive_losses.<Name>`` when that is where the object is documented.
+  where the object is documented: ``contrastive_losses.<Name>``, or the page of the
+  module that defines it (``contrastive_losses.functional.kcl`` ->
+  ``contrastive_losses.kcl.kcl``).
 * **``.. benchmark-results:: NAME``** renders ``benchmarks/results/NAME.json`` (its
   markdown tables), ``NAME.md`` and ``NAME*.png``; ``*`` renders every result that no
   earlier directive on the page claimed. Absent results give a short note, not an error.
@@ -111,19 +116,46 @@ def _member_directive(obj: Any, qualified: str) -> list[str]:
     return [f".. autodata:: {qualified}", ""]
 
 
-def _page(module: types.ModuleType, top: dict[int, str]) -> str:
+def _homes(modules: list[types.ModuleType], top: dict[int, str]) -> dict[int, str]:
+    """``id(obj) -> module`` whose page documents it, for every listed non-top-level name:
+    the module that defines it when that one has a page, else the first page listing it."""
+    with_page = {m.__name__ for m in modules}
+    homes: dict[int, str] = {}
+    for module in modules:
+        if module.__name__ == PACKAGE:
+            continue
+        for name in _public_names(module):
+            obj = getattr(module, name)
+            if isinstance(obj, types.ModuleType) or id(obj) in top:
+                continue
+            defined_in = getattr(obj, "__module__", None)
+            if defined_in in with_page:
+                homes[id(obj)] = defined_in
+            else:
+                homes.setdefault(id(obj), module.__name__)
+    return homes
+
+
+def _page(module: types.ModuleType, top: dict[int, str], homes: dict[int, str]) -> str:
     """Module docstring, a summary table of every public name, then each own member."""
     name = module.__name__
     public = _public_names(module)
     members = {n: getattr(module, n) for n in public}
+    elsewhere: list[str] = []
     if name == PACKAGE:
         own = [n for n, obj in members.items() if not isinstance(obj, types.ModuleType)]
         summary = list(public)
         exported: list[str] = []
     else:
-        own = [n for n, obj in members.items() if id(obj) not in top]
+        own = [n for n, obj in members.items() if homes.get(id(obj)) == name]
+        elsewhere = [
+            f"{homes[id(obj)]}.{n}"
+            for n, obj in members.items()
+            if id(obj) not in top and homes.get(id(obj), name) != name
+        ]
         exported = [top[id(obj)] for n, obj in members.items() if id(obj) in top]
-        summary = own + [f"~{PACKAGE}.{n}" for n in exported]
+        summary = own + [f"~{target}" for target in elsewhere]
+        summary += [f"~{PACKAGE}.{n}" for n in exported]
     # Short titles keep the sidebar readable; the module's full name heads the page body.
     lines = _title(name if name == PACKAGE else name.rsplit(".", 1)[1], "=")
     if name != PACKAGE:
@@ -132,6 +164,9 @@ def _page(module: types.ModuleType, top: dict[int, str]) -> str:
     if summary:
         lines += [".. rubric:: Contents", "", ".. autosummary::", "   :nosignatures:", ""]
         lines += [f"   {entry}" for entry in summary] + [""]
+    if elsewhere:
+        refs = ", ".join(f":obj:`~{target}`" for target in elsewhere)
+        lines += [f"Documented with the module that defines them: {refs}.", ""]
     if exported:
         refs = ", ".join(f":obj:`~{PACKAGE}.{n}`" for n in exported)
         lines += [f"Documented at the top level, where you import them from: {refs}.", ""]
@@ -153,7 +188,8 @@ def generate_api_pages(app: Sphinx) -> None:
     top = _top_level_objects()
     out = Path(app.srcdir) / GENERATED
     out.mkdir(parents=True, exist_ok=True)
-    wanted = {f"{m.__name__}.rst": _page(m, top) for m in modules}
+    homes = _homes(modules, top)
+    wanted = {f"{m.__name__}.rst": _page(m, top, homes) for m in modules}
     for stale in out.glob("*.rst"):
         if stale.name not in wanted:
             stale.unlink()
@@ -164,25 +200,40 @@ def generate_api_pages(app: Sphinx) -> None:
     _write_if_changed(out / "toctree.inc", "\n".join(toc) + "\n")
 
 
+def _defining_target(target: str) -> str | None:
+    """``contrastive_losses.<module>.<Name>`` -> ``<defining module>.<Name>`` of the object."""
+    module_name, _, attr = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    defined_in = getattr(obj, "__module__", None)
+    if not isinstance(defined_in, str) or defined_in == module_name:
+        return None
+    return f"{defined_in}.{attr}"
+
+
 def resolve_alias(app: Sphinx, env: Any, node: nodes.Element, contnode: nodes.Element) -> Any:
     """Resolve ``contrastive_losses.<module>.<Name>`` (or a bare ``Name`` inside a module)
-    to ``contrastive_losses.<Name>`` when only the latter is documented."""
+    to where the object is documented: ``contrastive_losses.<Name>``, or the page of the
+    module that defines it."""
     if node.get("refdomain") != "py":
         return None
     target = node.get("reftarget", "")
     parts = target.split(".")
     if parts[0] == PACKAGE and len(parts) > 2:
-        candidate = ".".join([PACKAGE, *parts[2:]])
+        candidates = [".".join([PACKAGE, *parts[2:]]), _defining_target(target)]
     elif parts[0] != PACKAGE:
-        candidate = ".".join([PACKAGE, *parts])
+        candidates = [".".join([PACKAGE, *parts])]
     else:
         return None
     domain = env.get_domain("py")
-    if not domain.find_obj(env, None, None, candidate, None, 0):
-        return None
-    return domain.resolve_xref(
-        env, node["refdoc"], app.builder, node["reftype"], candidate, node, contnode
-    )
+    for candidate in candidates:
+        if candidate and domain.find_obj(env, None, None, candidate, None, 0):
+            return domain.resolve_xref(
+                env, node["refdoc"], app.builder, node["reftype"], candidate, node, contnode
+            )
+    return None
 
 
 def skip_namedtuple_fields(app: Sphinx, what: str, name: str, obj: Any, skip: bool, opts: Any):

@@ -1,6 +1,10 @@
 """Contrastive losses for multimodal retrieval (audio-text first).
 
-Public names only; the maths lives in :mod:`contrastive_losses.functional`.
+Public names only. Each method has one module holding its functional form and its
+Module (:mod:`~contrastive_losses.infonce`, :mod:`~contrastive_losses.siglip`,
+:mod:`~contrastive_losses.kcl`, :mod:`~contrastive_losses.cacl`,
+:mod:`~contrastive_losses.svr`, :mod:`~contrastive_losses.ask`);
+:mod:`contrastive_losses.functional` gathers the functions.
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ from __future__ import annotations
 from . import diagnostics, distributed, functional, metrics
 from .ask import ASKLoss
 from .bank import KnowledgeBank
-from .functional import sample_languages
+from .cacl import sample_languages
 from .losses import CACLLoss, ContrastivePair, InfoNCELoss, KCLLoss, SigLIPLoss
 from .svr import RadiusPredictor, SupportVectorRegularizer
 

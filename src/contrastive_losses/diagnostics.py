@@ -24,14 +24,7 @@ from torch import Tensor
 
 from . import _checks
 from ._checks import _shape, check_choice, check_embeddings, check_float, check_tensor
-from .functional import (
-    _check_pair,
-    _check_row_mask,
-    _embeddings,
-    _radius_tensor,
-    _temperature,
-    _unit_offsets,
-)
+from ._common import _check_pair, _check_row_mask, _embeddings, _radius_tensor, _temperature
 
 __all__ = [
     "Forces",
@@ -40,6 +33,15 @@ __all__ = [
     "representation_drift_mismatch",
     "trajectory_drift",
 ]
+
+
+def _unit_offsets(x: Tensor, y_pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Unit direction ``(y_pos - x)/||y_pos - x||`` (0 below epsilon) and the distance."""
+    u = y_pos - x
+    dist = torch.linalg.vector_norm(u, dim=-1)
+    eps = torch.finfo(x.dtype).eps
+    inv = torch.where(dist > eps, 1 / dist.clamp_min(eps), torch.zeros_like(dist))
+    return u * inv[..., None], dist
 
 
 class Forces(NamedTuple):

@@ -1,10 +1,12 @@
-r"""Support vector regularisation (SupCLAP, Luo, Yin et al.): the radius predictor and the
-Module that wraps any loss of :mod:`contrastive_losses.losses`.
+r"""Support vector regularisation (SupCLAP, Luo, Yin et al.): the SVR term, the radius
+predictor and the Module that wraps any loss of this library.
 
-The maths is :func:`contrastive_losses.functional.support_vector_term`; this module holds
-the learnable radius (a scalar or :class:`RadiusPredictor`) and the wiring: the wrapped
-loss tells which ``(audio, text)`` pairs it contrasts (``contrastive_pairs``), and the
-regulariser adds the SVR term on each of them, in one or both directions.
+:func:`support_vector_term` is the maths of one direction (SupCLAP Eq. 5-6, App. D),
+:class:`RadiusPredictor` the dynamic radius (Sec. 3.2), and
+:class:`SupportVectorRegularizer` holds the learnable radius (a scalar or the predictor)
+and the wiring: the wrapped loss tells which ``(audio, text)`` pairs it contrasts
+(``contrastive_pairs``), and the regulariser adds the SVR term on each of them, in one or
+both directions.
 """
 
 from __future__ import annotations
@@ -18,24 +20,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checks
-from .distributed import all_gather_no_grad, resolve_gather, validate_together
-from .functional import (
+from ._common import (
     _batch,
-    _distance,
+    _check_pair,
+    _check_row_mask,
+    _embeddings,
     _gather,
-    _gram,
-    _logit_rows,
-    _radius_features,
-    _radius_slope,
+    _radius_tensor,
     _reduce,
-    _support_vector_logits,
     _temperature,
-    _upcast_half,
     check_radius,
-    l2_normalize,
 )
+from ._kernels import _distance, _gram, l2_normalize
+from .distributed import all_gather_no_grad, resolve_gather, validate_together
 
-__all__ = ["RadiusPredictor", "SupportVectorRegularizer"]
+__all__ = ["RadiusPredictor", "SupportVectorRegularizer", "support_vector_term"]
 
 RADIUS_MODES = ("static", "dynamic")
 DIRECTIONS = ("bi", "uni")
@@ -52,6 +51,212 @@ def _check_weight(value: float, name: str) -> None:
     _checks.check_non_negative(value, name)
     if value > MAX_WEIGHT:
         raise ValueError(f"{name}: must be <= {MAX_WEIGHT:g} (a loss weight), got {value}")
+
+
+def _support_vector_logits(
+    sims: Tensor,
+    positive_sims: Tensor,
+    dist: Tensor,
+    radius: Tensor | float,
+    temperature: float | Tensor,
+    col_mask: Tensor | None,
+) -> Tensor:
+    r"""The support vectors' logits from similarities, batched over ``Q`` problems.
+
+    With :math:`c_i = R_i/d_i` the support vector's logits are
+    :math:`\langle t_i + c_i(a_i - t_i), a_j\rangle / \tau = ((1 - c_i) s_{ij} + c_i g_{ij})/\tau`,
+    so they come from the anchor-candidate similarities ``sims`` :math:`s_{ij}` and the
+    positive-candidate similarities ``positive_sims`` :math:`g_{ij} = \langle a_i, a_j\rangle`,
+    both ``(Q, b, N)``, and no ``(b, D)`` support vector is built. ``dist`` ``(Q, b)`` is
+    :math:`d_i`; below the dtype's epsilon the direction is undefined and :math:`c_i = 0`
+    (the InfoNCE row). ``radius`` is a scalar or ``(Q, b)``; ``col_mask`` ``(Q, N)`` marks
+    present candidates (absent ones get the dtype's lowest logit).
+    """
+    eps = torch.finfo(dist.dtype).eps
+    coef = torch.where(dist > eps, radius / dist.clamp_min(eps), torch.zeros_like(dist))
+    logits = torch.lerp(sims, positive_sims, coef[..., None]) / temperature  # (Q, b, N)
+    if col_mask is not None:
+        logits = logits.masked_fill(~col_mask[:, None, :], torch.finfo(logits.dtype).min)
+    return logits
+
+
+def _logit_rows(logits: Tensor, offset: int) -> Tensor:
+    """Per-row cross-entropy ``(Q, b)`` of ``(Q, b, N)`` logits, the positive of row ``r``
+    at column ``offset + r``; rows are not masked here."""
+    rows = torch.arange(logits.shape[1], device=logits.device)
+    return logits.logsumexp(dim=-1) - logits[:, rows, rows + offset]
+
+
+def _support_vector_rows(
+    sims: Tensor,
+    positive_sims: Tensor,
+    dist: Tensor,
+    radius: Tensor | float,
+    temperature: float | Tensor,
+    offset: int,
+    col_mask: Tensor | None,
+) -> Tensor:
+    """Per-row SVR cross-entropy ``(Q, b)``: :func:`_support_vector_logits` reduced."""
+    logits = _support_vector_logits(sims, positive_sims, dist, radius, temperature, col_mask)
+    return _logit_rows(logits, offset)
+
+
+@torch.no_grad()
+def _radius_slope(
+    logits: Tensor, sims: Tensor, positive_sims: Tensor, dist: Tensor, offset: int
+) -> Tensor:
+    r"""Per anchor :math:`\tau\,\partial\ell_i/\partial R_i =
+    \sum_j P_{ij} \langle \hat u_i, a_j - a_i\rangle` ``(Q, b)``, from the inputs and
+    output of :func:`_support_vector_logits`: :math:`P` is the softmax of the support
+    vector's logits and :math:`\langle \hat u_i, a_j - a_i\rangle =
+    (g_{ij} - s_{ij} - g_{ii} + s_{ii})/d_i`. Positive: the SVR term pulls :math:`R`
+    down. 0 where :math:`d_i` is below epsilon (the radius has no effect there)."""
+    rows = torch.arange(sims.shape[1], device=sims.device)
+    offsets = positive_sims - sims  # <a_i - t_i, a_j> = d_i <u_i, a_j>
+    along = offsets - offsets[:, rows, rows + offset][..., None]  # d_i <u_i, a_j - a_i>
+    slope = (logits.softmax(dim=-1) * along).sum(dim=-1)
+    eps = torch.finfo(dist.dtype).eps
+    return torch.where(dist > eps, slope / dist.clamp_min(eps), torch.zeros_like(slope))
+
+
+def _upcast_half(x: object) -> Any:
+    """float16/bfloat16 tensors -> float32, anything else as is: the SVR coefficient R/d
+    and its gradient, which runs as R/d^2, overflow float16 for nearly aligned pairs (d
+    near the dtype's epsilon), and d itself is noise unless the rows are normalised in
+    float32."""
+    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    return x
+
+
+def _radius_features(
+    similarities: Tensor, num_features: int, offset: int = 0, col_mask: Tensor | None = None
+) -> Tensor:
+    """``[s_pos, negatives sorted descending]`` truncated or padded to ``num_features``.
+
+    ``similarities`` ``(..., b, N)`` with the positive of row ``r`` at column
+    ``offset + r``; ``col_mask`` ``(..., N)`` marks present candidates. Absent
+    candidates and padding take the row's minimum over present candidates (positive
+    included). Detached; invariant to any permutation of the negatives.
+    """
+    s = similarities.detach()
+    b, n = s.shape[-2], s.shape[-1]
+    rows = torch.arange(b, device=s.device)
+    invalid = torch.zeros(b, n, dtype=torch.bool, device=s.device)
+    invalid[rows, rows + offset] = True  # the positive is not a negative
+    if col_mask is not None:
+        invalid = invalid | ~col_mask[..., None, :]  # (..., b, N)
+    s_pos = s[..., rows, rows + offset]  # (..., b)
+    neg = s.masked_fill(invalid, float("-inf"))  # (..., b, N)
+    k = num_features - 1
+    if n - 1 >= k:
+        top = neg.topk(k, dim=-1).values  # sorted descending
+    else:
+        top = neg.sort(dim=-1, descending=True).values[..., : n - 1]
+        pad = top.new_full((*top.shape[:-1], k - (n - 1)), float("-inf"))
+        top = torch.cat([top, pad], dim=-1)
+    if col_mask is not None or n - 1 < k:  # empty slots take the row minimum
+        row_min = torch.minimum(s.masked_fill(invalid, float("inf")).amin(dim=-1), s_pos)
+        top = torch.where(torch.isinf(top), row_min[..., None], top)
+    return torch.cat([s_pos[..., None], top], dim=-1)  # (..., b, num_features)
+
+
+def support_vector_term(
+    anchor: Tensor,
+    candidates: Tensor,
+    radius: float | Tensor,
+    temperature: float | Tensor = 0.07,
+    *,
+    normalize: bool = True,
+    mask: Tensor | None = None,
+    reduction: str = "mean",
+    gather: bool | None = None,
+) -> Tensor:
+    r"""The support-vector regularisation term of SupCLAP (Eq. 5–6), one direction.
+
+    Each anchor :math:`t_i` is shifted towards its positive :math:`a_i` by the semantic
+    radius :math:`R_i` and contrasted, as the support vector, with every candidate:
+
+    .. math::
+
+        \hat u_i = \frac{a_i - t_i}{\lVert a_i - t_i\rVert}, \qquad
+        t_i^{sup} = t_i + R_i\,\hat u_i, \qquad
+        \ell_i = -\log \frac{e^{\langle t_i^{sup}, a_i\rangle/\tau}}
+            {\sum_{j=1}^{B} e^{\langle t_i^{sup}, a_j\rangle/\tau}},
+
+    on normalised :math:`t, a`; :math:`t^{sup}` is *not* re-normalised and the positive
+    is in the denominator. With :math:`R` fixed the gradient with respect to
+    :math:`t_i` keeps the component of every candidate's force parallel to
+    :math:`\hat u_i` and scales the perpendicular one by
+    :math:`1 - R_i/\lVert a_i - t_i\rVert` (SupCLAP App. D); :math:`R = 0` is the
+    one-directional InfoNCE row. :math:`\lVert a_i - t_i\rVert` is clamped at the
+    dtype's epsilon; a positive equal to its anchor gives the InfoNCE row (finite).
+    float16 and bfloat16 inputs are computed in float32 (:math:`R/d` and its gradient,
+    :math:`\propto R/d^2`, overflow float16 for nearly aligned pairs) and the result is
+    returned in the input dtype.
+
+    Args:
+        anchor: anchors ``(B, D)`` (text for text-to-audio SVR).
+        candidates: candidates ``(B, D)``; ``candidates[i]`` is the positive of ``anchor[i]``.
+        radius: :math:`R`: a float, a 0-d tensor, or one radius per anchor ``(B,)``;
+            :math:`|R| \le 10^4`.
+        temperature: :math:`\tau \ge 10^{-4}`, a float or a 0-d tensor.
+        normalize: L2-normalise the inputs first.
+        mask: optional bool ``(B,)``: ``False`` drops the pair as an anchor and as a
+            candidate (an absent caption).
+        reduction: ``"mean"`` over present anchors, ``"sum"``, or ``"none"`` (``(B,)``,
+            0 at absent anchors).
+        gather: all-gather the candidates across ranks (this rank's anchors against the
+            global batch; the loss is scaled as described in
+            :mod:`contrastive_losses.distributed`).
+
+    Shape:
+        anchor ``(B, D)``, candidates ``(B, D)``, radius ``()`` or ``(B,)``, mask ``(B,)``;
+        output scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import info_nce, support_vector_term
+        >>> text, audio = torch.randn(8, 32), torch.randn(8, 32)
+        >>> support_vector_term(text, audio, radius=0.2, temperature=0.07).shape
+        torch.Size([])
+        >>> # R = 0: the text-to-audio half of InfoNCE
+        >>> _, terms = info_nce(audio, text, 0.07, return_terms=True)
+        >>> bool(torch.isclose(support_vector_term(text, audio, 0.0), terms["loss_t2a"]))
+        True
+    """
+    enabled = resolve_gather(gather)
+    with validate_together(enabled, anchor, name="anchor") as v:
+        _checks.check_reduction(reduction)
+        _temperature(temperature)
+        dtype = getattr(anchor, "dtype", None)
+        if dtype is not None and dtype == getattr(candidates, "dtype", None):
+            anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
+        x = _embeddings(anchor, "anchor", "(B, D)", normalize, v.min_batch)
+        y = _embeddings(candidates, "candidates", "(B, D)", normalize, v.min_batch)
+        _check_pair(x, "anchor", y, "candidates")
+        b = x.shape[0]
+        r = _radius_tensor(radius, b, x)
+        if mask is not None:
+            mask = _check_row_mask(mask, b, x)
+        v.batch = b
+    y_all, offset = _gather(y, enabled)
+    m_all = None if mask is None else (all_gather_no_grad(mask) if enabled else mask)
+    per_row = _support_vector_rows(
+        (x @ y_all.T)[None],  # (1, b, N)
+        _gram(y, y_all, enabled)[None],
+        _distance(x, y)[None],
+        r[None] if isinstance(r, Tensor) and r.dim() == 1 else r,
+        temperature,
+        offset,
+        None if m_all is None else m_all[None],
+    )[0]  # (b,)
+    batch = _batch(offset, y_all.shape[0], enabled)
+    if mask is None:
+        return _reduce(per_row, reduction, batch.n_global, batch).to(dtype)
+    per_row = torch.where(mask, per_row, torch.zeros_like(per_row))
+    count = m_all.sum().clamp_min(1) if m_all is not None else b  # all absent: loss 0
+    return _reduce(per_row, reduction, count, batch).to(dtype)
 
 
 class RadiusPredictor(nn.Module):

@@ -1,0 +1,259 @@
+"""Machinery shared by the losses: input checks, the temperature floor, the local rows
+against the (gathered) global batch and their reduction, the ``terms`` dict, the
+temperature parameter of the Modules, and the radius checks SVR and the diagnostics share.
+
+Private: each method's module (:mod:`~contrastive_losses.infonce`,
+:mod:`~contrastive_losses.siglip`, :mod:`~contrastive_losses.kcl`,
+:mod:`~contrastive_losses.cacl`, :mod:`~contrastive_losses.svr`) imports from here; the
+public names (:class:`ContrastivePair`, ``MIN_TEMPERATURE``, ``check_radius``) are
+re-exported by :mod:`contrastive_losses.losses` and :mod:`contrastive_losses.functional`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _checks
+from ._kernels import _UpperClamp, l2_normalize
+from .distributed import all_gather_no_grad, all_gather_with_grad
+
+Terms = dict[str, Tensor]
+
+
+# Below 1e-4 the logits (up to 1/temperature = 1e4) no longer fit float16's 65504 once
+# multiplied by a similarity sum, and the softmax is already a hard argmax in every dtype.
+MIN_TEMPERATURE = 1e-4
+
+
+def _temperature(temperature: float | Tensor) -> None:
+    value = _checks.check_positive(temperature, "temperature")
+    if value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature: {value:.3g} is below the smallest supported {MIN_TEMPERATURE:g} "
+            "(1/temperature scales the logits; beyond 1e4 they overflow float16 and the "
+            "softmax is a hard argmax)"
+        )
+
+
+def _embeddings(x: object, name: str, dims: str, normalize: bool, min_batch: int = 2) -> Tensor:
+    """Validate an embedding input and (optionally) normalise it; one pass over ``x``."""
+    x = _checks.check_embeddings(
+        x, name, ndim=dims.count(",") + 1, dims=dims, min_batch=min_batch, check_values=False
+    )
+    norms = _checks.check_row_norms(x, name, nonzero=normalize)
+    return l2_normalize(x, norms) if normalize else x
+
+
+def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
+    _checks.check_same_size(a, a_name, b, b_name, 0, "batch size B")
+    _checks.check_same_size(a, a_name, b, b_name, -1, "embedding dim D")
+    _checks.check_same_device_dtype([(a, a_name), (b, b_name)])
+
+
+def _pair_and_ids(
+    audio: object, text: object, ids: object | None, normalize: bool, min_batch: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Validated (and normalised) ``(B, D)`` audio and text, and optional ``(B,)`` ids."""
+    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch)
+    t = _embeddings(text, "text", "(B, D)", normalize, min_batch)
+    _check_pair(a, "audio", t, "text")
+    if ids is not None:
+        ids = _checks.check_ids(ids, "ids", a.shape[0], a)
+    return a, t, ids
+
+
+@dataclass
+class _Batch:
+    """This rank's rows and the global batch they are contrasted with.
+
+    Without gathering ``local is glob`` and ``offset == 0``. ``world`` scales the
+    reduced loss so that its mean over ranks is the single-process loss.
+    """
+
+    offset: int
+    n_global: int
+    world: int
+
+
+def _gather(x: Tensor, enabled: bool) -> tuple[Tensor, int]:
+    return all_gather_with_grad(x) if enabled else (x, 0)
+
+
+def _batch(offset: int, n_global: int, enabled: bool) -> _Batch:
+    world = torch.distributed.get_world_size() if enabled else 1
+    return _Batch(offset=offset, n_global=n_global, world=world)
+
+
+def _reduce(per_sample: Tensor, reduction: str, count: Tensor | int, batch: _Batch) -> Tensor:
+    """Reduce per-sample losses; ``count`` is the global number of samples for "mean"."""
+    if reduction == "none":
+        return per_sample
+    total = per_sample.sum() * batch.world
+    if reduction == "sum":
+        return total
+    return total / count
+
+
+def _multi_positive_ce(logits: Tensor, positives: Tensor) -> Tensor:
+    r"""Per-row :math:`-\frac{1}{|P_i|}\sum_{p \in P_i} \log \mathrm{softmax}(z_i)_p`.
+
+    The supervised-contrastive "average outside the log" form: with one positive per row
+    it is plain cross-entropy.
+    """
+    log_prob = logits - logits.logsumexp(dim=1, keepdim=True)  # (b, N)
+    pos = positives.to(log_prob.dtype)
+    return -(log_prob * pos).sum(dim=1) / pos.sum(dim=1)
+
+
+def _info_nce_rows(
+    a: Tensor,
+    t: Tensor,
+    temperature: float | Tensor,
+    ids: Tensor | None,
+    gather: bool,
+) -> tuple[Tensor, Tensor, _Batch]:
+    """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each."""
+    b = a.shape[0]
+    a = a / temperature  # scale the (b, D) side, not the (b, N) logits
+    if not gather:
+        logits = a @ t.T  # (B, B)
+        if ids is None:
+            target = torch.arange(b, device=a.device)
+            a2t = F.cross_entropy(logits, target, reduction="none")
+            t2a = F.cross_entropy(logits.T, target, reduction="none")
+        else:
+            same = ids[:, None] == ids[None, :]  # (B, B), symmetric
+            a2t = _multi_positive_ce(logits, same)
+            t2a = _multi_positive_ce(logits.T, same)
+        return a2t, t2a, _batch(0, b, False)
+
+    a_all, offset = all_gather_with_grad(a)  # (N, D)
+    t_all, _ = all_gather_with_grad(t)
+    logits_a2t = a @ t_all.T  # (b, N)
+    logits_t2a = t @ a_all.T  # (b, N)
+    if ids is None:
+        target = torch.arange(offset, offset + b, device=a.device)
+        a2t = F.cross_entropy(logits_a2t, target, reduction="none")
+        t2a = F.cross_entropy(logits_t2a, target, reduction="none")
+    else:
+        same = ids[:, None] == all_gather_no_grad(ids)[None, :]  # (b, N)
+        a2t = _multi_positive_ce(logits_a2t, same)
+        t2a = _multi_positive_ce(logits_t2a, same)
+    return a2t, t2a, _batch(offset, a_all.shape[0], True)
+
+
+def _finish(loss: Tensor, terms: Terms, return_terms: bool) -> Tensor | tuple[Tensor, Terms]:
+    if return_terms:
+        return loss, {k: v.detach() for k, v in terms.items()}
+    return loss
+
+
+class ContrastivePair(NamedTuple):
+    """One pair of aligned batches a loss contrasts: ``audio[i]`` matches ``text[i]``.
+
+    ``mask`` ``(B,)`` marks the rows present (``None``: all).
+    """
+
+    audio: Tensor
+    text: Tensor
+    mask: Tensor | None = None
+
+
+class _TemperatureMixin(nn.Module):
+    """Fixed or learnable temperature; learnable as a log logit scale clamped at
+    ``max_logit_scale`` (CLIP's 100), so the temperature never falls below 1/100."""
+
+    def _init_temperature(
+        self, temperature: float, learnable: bool, max_logit_scale: float
+    ) -> None:
+        _checks.check_positive(temperature, "temperature")
+        _checks.check_positive(max_logit_scale, "max_logit_scale")
+        if max_logit_scale > 1.0 / MIN_TEMPERATURE:
+            raise ValueError(
+                f"max_logit_scale: {max_logit_scale:g} exceeds 1/{MIN_TEMPERATURE:g}, "
+                "the smallest temperature the losses accept"
+            )
+        if temperature * max_logit_scale < 1 - 1e-6:  # the bound itself is fine
+            raise ValueError(
+                f"temperature: {temperature:g} is below 1/max_logit_scale = "
+                f"{1.0 / max_logit_scale:g}, where it would be clamped; raise max_logit_scale"
+            )
+        self.learnable_temperature = learnable
+        self.max_logit_scale = float(max_logit_scale)
+        log_scale = torch.tensor(math.log(1.0 / temperature))
+        if learnable:
+            self.log_logit_scale = nn.Parameter(log_scale)
+        else:
+            self.register_buffer("log_logit_scale", log_scale)
+
+    @property
+    def temperature(self) -> Tensor:
+        """Current temperature :math:`\\tau` as a 0-d tensor (differentiable if learnable)."""
+        log_bound = math.log(self.max_logit_scale)
+        return 1.0 / _UpperClamp.apply(self.log_logit_scale, log_bound).exp()
+
+
+def _with_terms(
+    out: Tensor | tuple[Tensor, dict[str, Tensor]], return_terms: bool, **extra: Tensor
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+    """Add Module-level values (the current temperature) to the functional's terms."""
+    if not return_terms:
+        return out
+    loss, terms = out
+    terms.update({k: v.detach() for k, v in extra.items()})
+    return loss, terms
+
+
+# The radius is a distance in the embedding space, where normalised embeddings are at most
+# 2 apart. Up to 1e4 the support vector's logits (about R/temperature <= 1e8 at the 1e-4
+# temperature floor) stay finite in float32; 1e40 is inf in float32 and gave NaN.
+MAX_RADIUS = 1e4
+
+
+def check_radius(value: float, name: str = "radius") -> float:
+    """A finite float radius with ``|value| <= MAX_RADIUS``; returns it."""
+    if value != value or abs(value) > MAX_RADIUS:
+        raise ValueError(
+            f"{name}: must be finite with |{name}| <= {MAX_RADIUS:g} (a distance in the "
+            f"embedding space; unit embeddings are at most 2 apart), got {value}"
+        )
+    return float(value)
+
+
+def _radius_tensor(radius: object, b: int, ref: Tensor) -> Tensor | float:
+    if isinstance(radius, Tensor):
+        if radius.dim() > 1 or (radius.dim() == 1 and radius.shape[0] != b):
+            raise ValueError(
+                f"radius: expected a float, a 0-d tensor or shape ({b},) matching the "
+                f"anchors, got shape {tuple(radius.shape)}"
+            )
+        _checks.check_float(radius, "radius")
+        _checks.check_materialised(radius, "radius")
+        if radius.device != ref.device:
+            raise ValueError(f"radius: on device {radius.device} but anchor is on {ref.device}")
+        peak = radius.detach().abs().amax() if radius.numel() else radius.new_zeros(())
+        if not bool(peak <= MAX_RADIUS):  # False for NaN: one host sync for NaN, Inf, the bound
+            _checks.check_finite(radius, "radius")
+            check_radius(float(peak))
+        return radius.to(ref.dtype)
+    if isinstance(radius, bool) or not isinstance(radius, (int, float)):
+        raise TypeError(f"radius: expected a float or a tensor, got {type(radius).__name__}")
+    return check_radius(radius)
+
+
+def _check_row_mask(mask: object, b: int, ref: Tensor) -> Tensor:
+    """Bool ``(B,)`` row mask on ``ref``'s device."""
+    mask = _checks.check_tensor(mask, "mask")
+    if mask.dim() != 1 or mask.shape[0] != b:
+        raise ValueError(f"mask: expected shape ({b},) matching the batch, got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
+    if mask.device != ref.device:
+        raise ValueError(f"mask: on device {mask.device} but the embeddings are on {ref.device}")
+    return mask

@@ -1,0 +1,336 @@
+r"""CACL: audio-English co-anchor contrastive learning (ATRI, Yin et al., ACL 2025,
+Eq. 12-13).
+
+Three symmetric InfoNCE terms over (audio, English caption, caption in a language drawn
+per sample). :func:`cacl` is the maths, :func:`sample_languages` the draw of ATRI's
+:math:`q_i` (and of the ML-CLAP random-language baseline), :class:`CACLLoss` the Module.
+KCL, ATRI's other loss, is :mod:`contrastive_losses.kcl`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from ._common import (
+    ContrastivePair,
+    Terms,
+    _batch,
+    _check_pair,
+    _embeddings,
+    _finish,
+    _info_nce_rows,
+    _reduce,
+    _temperature,
+    _TemperatureMixin,
+    _with_terms,
+)
+from .distributed import resolve_gather, validate_together
+
+__all__ = ["CACLLoss", "cacl", "sample_languages"]
+
+
+def cacl(
+    audio: Tensor,
+    english: Tensor,
+    other: Tensor,
+    temperature: float | Tensor = 0.07,
+    *,
+    normalize: bool = True,
+    reduction: str = "mean",
+    gather: bool | None = None,
+    return_terms: bool = False,
+) -> Tensor | tuple[Tensor, Terms]:
+    r"""Audio–English co-anchor contrastive loss (CACL, ATRI Eq. 12–13).
+
+    Three symmetric InfoNCE terms over the triplet (audio, English caption, caption in a
+    randomly drawn other language :math:`q_i`):
+
+    .. math::
+
+        \mathcal{L} = \frac{\mathcal{L}_{ae} + \mathcal{L}_{at} + \mathcal{L}_{et}}{6N},
+
+    where each :math:`\mathcal{L}_{xy}` is the sum over the batch of the two directional
+    InfoNCE terms between modalities :math:`x` and :math:`y`. It equals the mean of the
+    three symmetric :func:`info_nce` means. Draw :math:`q_i` with :func:`sample_languages`.
+
+    Args:
+        audio: ``(B, D)``.
+        english: English captions ``(B, D)``.
+        other: captions in the other language ``(B, D)``.
+        temperature: :math:`\tau \ge 10^{-4}`.
+        normalize: L2-normalise the inputs first.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (``(B,)``, mean of the three terms).
+        gather: all-gather across ranks.
+        return_terms: also return ``{"loss_audio_english", "loss_audio_other",
+            "loss_english_other"}`` (each a symmetric InfoNCE mean).
+
+    Shape:
+        audio, english, other ``(B, D)``; output scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import cacl
+        >>> a, e, o = torch.randn(6, 16), torch.randn(6, 16), torch.randn(6, 16)
+        >>> cacl(a, e, o).shape
+        torch.Size([])
+    """
+    enabled = resolve_gather(gather)
+    with validate_together(enabled, audio) as v:
+        _checks.check_reduction(reduction)
+        _temperature(temperature)
+        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
+        e = _embeddings(english, "english", "(B, D)", normalize, v.min_batch)
+        o = _embeddings(other, "other", "(B, D)", normalize, v.min_batch)
+        _check_pair(a, "audio", e, "english")
+        _check_pair(a, "audio", o, "other")
+        v.batch = a.shape[0]
+    per_sample: list[Tensor] = []
+    terms: Terms = {}
+    batch = _batch(0, a.shape[0], False)
+    for name, (x, y) in {
+        "loss_audio_english": (a, e),
+        "loss_audio_other": (a, o),
+        "loss_english_other": (e, o),
+    }.items():
+        x2y, y2x, batch = _info_nce_rows(x, y, temperature, None, enabled)
+        per_sample.append((x2y + y2x) / 2)
+        terms[name] = _reduce(per_sample[-1], "mean", batch.n_global, batch)
+    loss = _reduce(torch.stack(per_sample).mean(0), reduction, batch.n_global, batch)
+    return _finish(loss, terms, return_terms)
+
+
+def sample_languages(
+    mask_or_num_languages: Tensor | int,
+    batch_size: int | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    english_index: int = 0,
+    include_english: bool = False,
+) -> Tensor:
+    r"""Draw one language index per sample, uniformly among its present captions.
+
+    For CACL (:func:`cacl`) the draw excludes English (``include_english=False``): it is
+    ATRI's :math:`q_i`. For the ML-CLAP random-language baseline draw with
+    ``include_english=True`` and train :func:`info_nce` on the drawn captions::
+
+        idx = sample_languages(mask, include_english=True)
+        loss = info_nce(audio, text[torch.arange(len(idx)), idx])
+
+    Args:
+        mask_or_num_languages: a bool mask ``(B, K)`` of present captions, or ``K`` (all
+            present, then ``batch_size`` is required).
+        batch_size: ``B`` when passing ``K``.
+        generator: a ``torch.Generator`` for reproducible draws (on the mask's device).
+        english_index: the column of English.
+        include_english: draw among all present languages instead.
+
+    Returns:
+        ``(B,)`` long tensor of language indices.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import sample_languages
+        >>> g = torch.Generator().manual_seed(0)
+        >>> idx = sample_languages(8, batch_size=4, generator=g)
+        >>> bool((idx >= 1).all() and (idx < 8).all())
+        True
+    """
+    if isinstance(mask_or_num_languages, Tensor):
+        mask = _checks.check_tensor(mask_or_num_languages, "mask_or_num_languages")
+        _checks.check_materialised(mask, "mask_or_num_languages")
+        if mask.dim() != 2 or mask.dtype != torch.bool:
+            raise ValueError(
+                "mask_or_num_languages: expected a bool (B, K) mask, got "
+                f"dtype {mask.dtype} shape {tuple(mask.shape)}"
+            )
+        if batch_size is not None and batch_size != mask.shape[0]:
+            raise ValueError(f"batch_size: {batch_size} does not match the mask's {mask.shape[0]}")
+    elif isinstance(mask_or_num_languages, int) and not isinstance(mask_or_num_languages, bool):
+        if batch_size is None or batch_size < 1:
+            raise ValueError(f"batch_size: a positive int is required with K, got {batch_size}")
+        device = generator.device if generator is not None else None
+        mask = torch.ones(batch_size, mask_or_num_languages, dtype=torch.bool, device=device)
+    else:
+        raise TypeError(
+            "mask_or_num_languages: expected a bool (B, K) tensor or an int K, got "
+            f"{type(mask_or_num_languages).__name__}"
+        )
+    k_langs = mask.shape[1]
+    _checks.check_int(english_index, "english_index", 0)
+    if not 0 <= english_index < k_langs:
+        raise ValueError(f"english_index: {english_index} is outside [0, {k_langs})")
+    weights = mask.to(torch.float32)
+    if not include_english:
+        weights[:, english_index] = 0
+    empty = weights.sum(dim=1) == 0
+    if bool(empty.any()):
+        rows = torch.nonzero(empty).flatten().tolist()[:10]
+        what = "caption" if include_english else "non-English caption"
+        raise ValueError(f"mask_or_num_languages: sample(s) {rows} have no {what} to draw")
+    return torch.multinomial(weights, 1, generator=generator).squeeze(1)
+
+
+class CACLLoss(_TemperatureMixin):
+    r"""Audio–English co-anchor loss (ATRI); see :func:`contrastive_losses.functional.cacl`.
+
+    ``forward`` takes either the triplet ``(audio, english, other)`` of ``(B, D)``
+    tensors, or ``(audio, text, other_index)`` with ``text`` ``(B, K, D)`` (English at
+    ``english_index``) and ``other_index`` ``(B,)`` — or ``other_index=None`` to draw it
+    with :func:`~contrastive_losses.functional.sample_languages` (uniform over the present
+    non-English captions of ``mask``, reproducible with ``generator``).
+
+    Args:
+        temperature, learnable_temperature, max_logit_scale: as in :class:`InfoNCELoss`.
+        english_index: column of English in ``text`` (default 0).
+        normalize, reduction, gather: as in :class:`InfoNCELoss`.
+
+    Shape:
+        ``forward(audio (B, D), english (B, D), other (B, D))`` or
+        ``forward(audio (B, D), text (B, K, D), other_index (B,) | None, mask=(B, K))``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses import CACLLoss
+        >>> audio, text = torch.randn(4, 16), torch.randn(4, 8, 16)
+        >>> g = torch.Generator().manual_seed(0)
+        >>> CACLLoss()(audio, text, generator=g).shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.07,
+        *,
+        english_index: int = 0,
+        learnable_temperature: bool = False,
+        max_logit_scale: float = 100.0,
+        normalize: bool = True,
+        reduction: str = "mean",
+        gather: bool | None = None,
+    ) -> None:
+        super().__init__()
+        _checks.check_reduction(reduction)
+        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
+        self.english_index = _checks.check_int(english_index, "english_index", 0)
+        self.normalize = normalize
+        self.reduction = reduction
+        self.gather = gather
+
+    def triplet(
+        self,
+        audio: Tensor,
+        english_or_text: Tensor,
+        other: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Resolve the two call forms to ``(audio, english, other)``, each ``(B, D)``."""
+        text = _checks.check_tensor(english_or_text, "english_or_text")
+        if text.dim() == 2:
+            if other is None or not isinstance(other, Tensor) or other.dim() != 2:
+                raise ValueError(
+                    "other: with a (B, D) english tensor, pass the other-language "
+                    "captions as a (B, D) tensor"
+                )
+            return audio, text, other
+        # Under gather these checks run on every rank together (a rank's error is raised on
+        # all), else one failing rank would leave the others waiting in cacl's gather; the
+        # global batch size is cacl's to check.
+        with validate_together(resolve_gather(self.gather), text, min_global=0) as v:
+            text = _checks.check_embeddings(
+                text,
+                "english_or_text",
+                ndim=3,
+                dims="(B, K, D)",
+                check_values=False,
+                min_batch=v.min_batch,
+            )
+            b, k_langs = text.shape[:2]
+            if self.english_index >= k_langs:
+                raise ValueError(
+                    f"english_index: {self.english_index} is outside the K = {k_langs} languages "
+                    f"of english_or_text (shape {tuple(text.shape)})"
+                )
+            if mask is not None:
+                mask = _checks.check_mask(mask, "mask", (b, k_langs), text)
+            if other is None:
+                other = sample_languages(
+                    mask if mask is not None else k_langs,
+                    batch_size=b,
+                    generator=generator,
+                    english_index=self.english_index,
+                )
+            index = _checks.check_ids(other, "other", b, text)
+            if bool(((index < 0) | (index >= k_langs)).any()):
+                raise ValueError(f"other: language indices must lie in [0, {k_langs}), got {index}")
+            if bool((index == self.english_index).any()):
+                raise ValueError(
+                    f"other: index {self.english_index} is English; CACL needs another"
+                )
+            if mask is not None and not bool(
+                mask[torch.arange(b, device=text.device), index].all()
+            ):
+                raise ValueError("other: points at captions that the mask marks absent")
+            rows = torch.arange(b, device=text.device)
+            v.batch = b
+        return audio, text[:, self.english_index], text[rows, index]
+
+    def resolve_inputs(
+        self,
+        audio: Tensor,
+        english_or_text: Tensor,
+        other: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[tuple[Tensor, Tensor, Tensor], dict[str, object]]:
+        """``forward`` arguments with the language draw made once: ``((a, e, o), {})``.
+
+        Wrappers (:class:`~contrastive_losses.SupportVectorRegularizer`) call it so the
+        loss and :meth:`contrastive_pairs` see the same triplet.
+        """
+        return self.triplet(audio, english_or_text, other, mask=mask, generator=generator), {}
+
+    def forward(
+        self,
+        audio: Tensor,
+        english_or_text: Tensor,
+        other: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        return_terms: bool = False,
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        a, e, o = self.triplet(audio, english_or_text, other, mask=mask, generator=generator)
+        temperature = self.temperature
+        out = cacl(
+            a,
+            e,
+            o,
+            temperature,
+            normalize=self.normalize,
+            reduction=self.reduction,
+            gather=self.gather,
+            return_terms=return_terms,
+        )
+        return _with_terms(out, return_terms, temperature=temperature)
+
+    def contrastive_pairs(
+        self,
+        audio: Tensor,
+        english_or_text: Tensor,
+        other: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> list[ContrastivePair]:
+        """The three pairs (audio, English), (audio, other), (English, other).
+
+        With ``other=None`` the language is drawn here; pass the same ``generator`` state
+        (or an explicit ``other``) to contrast the same triplet as ``forward``.
+        """
+        a, e, o = self.triplet(audio, english_or_text, other, mask=mask, generator=generator)
+        return [ContrastivePair(a, e), ContrastivePair(a, o), ContrastivePair(e, o)]

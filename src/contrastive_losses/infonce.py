@@ -1,0 +1,154 @@
+r"""InfoNCE, the symmetric contrastive loss of CLIP and CLAP.
+
+van den Oord et al. 2018 (InfoNCE); Radford et al. 2021 (CLIP, the symmetric form);
+Elizalde et al. 2023 (CLAP). :func:`info_nce` is the maths, :class:`InfoNCELoss` the
+Module with a fixed or learnable temperature. With ``ids``, pairs that share an id are
+all positives (the supervised-contrastive form, Khosla et al. 2020).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import _checks
+from ._common import (
+    ContrastivePair,
+    Terms,
+    _finish,
+    _info_nce_rows,
+    _pair_and_ids,
+    _reduce,
+    _temperature,
+    _TemperatureMixin,
+    _with_terms,
+)
+from .distributed import resolve_gather, validate_together
+
+__all__ = ["InfoNCELoss", "info_nce"]
+
+
+def info_nce(
+    audio: Tensor,
+    text: Tensor,
+    temperature: float | Tensor = 0.07,
+    *,
+    ids: Tensor | None = None,
+    normalize: bool = True,
+    reduction: str = "mean",
+    gather: bool | None = None,
+    return_terms: bool = False,
+) -> Tensor | tuple[Tensor, Terms]:
+    r"""Symmetric InfoNCE (the CLIP / CLAP loss).
+
+    .. math::
+
+        \ell_i = \tfrac12\Big(
+            -\log \frac{e^{s(a_i, t_i)}}{\sum_j e^{s(a_i, t_j)}}
+            -\log \frac{e^{s(t_i, a_i)}}{\sum_j e^{s(t_i, a_j)}}\Big),
+        \qquad \mathcal{L} = \frac1B \sum_i \ell_i .
+
+    With ``ids``, every pair that shares an id is a positive (the same clip twice in a
+    batch is no false negative) and a row's loss is the mean over its positives of
+    :math:`-\log \mathrm{softmax}`, the supervised-contrastive form.
+
+    Args:
+        audio: audio embeddings ``(B, D)``.
+        text: text embeddings ``(B, D)``; ``text[i]`` is the positive of ``audio[i]``.
+        temperature: :math:`\tau \ge 10^{-4}`, a float or a 0-d tensor (learnable).
+        ids: optional integer ``(B,)`` sample ids; equal ids are positives.
+        normalize: L2-normalise the inputs first.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-sample ``(B,)``).
+        gather: all-gather across ranks; ``None`` gathers when distributed.
+        return_terms: also return ``{"loss_a2t", "loss_t2a"}``.
+
+    Shape:
+        audio ``(B, D)``, text ``(B, D)``, ids ``(B,)``; output scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import info_nce
+        >>> audio, text = torch.randn(8, 32), torch.randn(8, 32)
+        >>> info_nce(audio, text, temperature=0.07).shape
+        torch.Size([])
+    """
+    enabled = resolve_gather(gather)
+    with validate_together(enabled, audio) as v:
+        _checks.check_reduction(reduction)
+        _temperature(temperature)
+        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
+        v.batch = a.shape[0]
+    a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled)
+    loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
+    terms = {
+        "loss_a2t": _reduce(a2t, "mean", batch.n_global, batch),
+        "loss_t2a": _reduce(t2a, "mean", batch.n_global, batch),
+    }
+    return _finish(loss, terms, return_terms)
+
+
+class InfoNCELoss(_TemperatureMixin):
+    r"""Symmetric InfoNCE (CLIP/CLAP loss); see :func:`contrastive_losses.functional.info_nce`.
+
+    Args:
+        temperature: initial or fixed :math:`\tau` (default 0.07).
+        learnable_temperature: learn :math:`\log(1/\tau)`, clamped at ``max_logit_scale``.
+        max_logit_scale: upper bound of :math:`1/\tau` (CLIP: 100).
+        normalize: L2-normalise inputs.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        gather: all-gather across ranks (``None``: when distributed).
+
+    Shape:
+        ``forward(audio (B, D), text (B, D), ids (B,) = None)`` -> scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses import InfoNCELoss
+        >>> loss_fn = InfoNCELoss(temperature=0.07, learnable_temperature=True)
+        >>> loss, terms = loss_fn(torch.randn(8, 32), torch.randn(8, 32), return_terms=True)
+        >>> sorted(terms)
+        ['loss_a2t', 'loss_t2a', 'temperature']
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.07,
+        *,
+        learnable_temperature: bool = False,
+        max_logit_scale: float = 100.0,
+        normalize: bool = True,
+        reduction: str = "mean",
+        gather: bool | None = None,
+    ) -> None:
+        super().__init__()
+        _checks.check_reduction(reduction)
+        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
+        self.normalize = normalize
+        self.reduction = reduction
+        self.gather = gather
+
+    def forward(
+        self,
+        audio: Tensor,
+        text: Tensor,
+        ids: Tensor | None = None,
+        *,
+        return_terms: bool = False,
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        temperature = self.temperature
+        out = info_nce(
+            audio,
+            text,
+            temperature,
+            ids=ids,
+            normalize=self.normalize,
+            reduction=self.reduction,
+            gather=self.gather,
+            return_terms=return_terms,
+        )
+        return _with_terms(out, return_terms, temperature=temperature)
+
+    def contrastive_pairs(
+        self, audio: Tensor, text: Tensor, ids: Tensor | None = None
+    ) -> list[ContrastivePair]:
+        """The one ``(audio, text)`` pair this loss contrasts."""
+        return [ContrastivePair(audio, text)]

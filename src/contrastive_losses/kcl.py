@@ -1,0 +1,276 @@
+r"""KCL: 1-to-K contrastive learning (ATRI, Yin et al., ACL 2025, Eq. 9-11).
+
+One audio clip, K captions in K languages. Per language the negatives are that
+language's captions in the batch (ATRI, default) or every caption of every language
+(``negatives="all_languages"``, Nie et al. 2024). :func:`kcl` is the maths,
+:class:`KCLLoss` the Module. CACL, ATRI's other loss, is :mod:`contrastive_losses.cacl`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks
+from ._common import (
+    ContrastivePair,
+    Terms,
+    _batch,
+    _check_pair,
+    _embeddings,
+    _finish,
+    _gather,
+    _multi_positive_ce,
+    _reduce,
+    _temperature,
+    _TemperatureMixin,
+    _with_terms,
+)
+from ._kernels import _NormalizedRowsMatmul, _per_language_ce, _SymmetricDiagonalCE, l2_normalize
+from .distributed import all_gather_no_grad, resolve_gather, validate_together
+
+__all__ = ["KCLLoss", "kcl"]
+
+
+def _text_and_mask(
+    audio: Tensor, text: object, mask: object | None, normalize: bool, min_batch: int = 2
+) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+    """Validated raw ``text`` ``(B, K, D)``, its row norms ``(B, K)``, the mask, and
+    whether the norms are moderate enough for the fused path (:func:`_checks.row_norms`)."""
+    t = _checks.check_embeddings(
+        text, "text", ndim=3, dims="(B, K, D)", min_batch=min_batch, check_values=False
+    )
+    if t.shape[1] == 0:
+        raise ValueError(f"text: K = 0 languages (shape {tuple(t.shape)}); need at least one")
+    _check_pair(audio, "audio", t, "text")
+    if mask is not None:
+        mask = _checks.check_mask(mask, "mask", tuple(t.shape[:2]), t)
+    # Absent captions may be zero rows (padding); they stay zero after normalising.
+    norms, moderate = _checks.row_norms(t, "text", nonzero=normalize, mask=mask)
+    return t, norms, mask, moderate
+
+
+def kcl(
+    audio: Tensor,
+    text: Tensor,
+    temperature: float | Tensor = 0.07,
+    *,
+    mask: Tensor | None = None,
+    negatives: str = "per_language",
+    normalize: bool = True,
+    reduction: str = "mean",
+    gather: bool | None = None,
+    return_terms: bool = False,
+) -> Tensor | tuple[Tensor, Terms]:
+    r"""1-to-K contrastive loss (KCL, ATRI Eq. 9–11): one audio, K captions in K languages.
+
+    ``negatives="per_language"`` (default, ATRI): for each language :math:`k` the
+    negatives of audio :math:`a_i` are the captions of language :math:`k` in the batch,
+    and vice versa,
+
+    .. math::
+
+        \mathcal{L}_{a2t} = -\sum_{k=1}^K \sum_{i=1}^N
+            \log \frac{e^{s(a_i, t_{ik})}}{\sum_j e^{s(a_i, t_{jk})}}, \quad
+        \mathcal{L}_{t2a} = -\sum_{k=1}^K \sum_{i=1}^N
+            \log \frac{e^{s(t_{ik}, a_i)}}{\sum_j e^{s(t_{ik}, a_j)}}, \quad
+        \mathcal{L} = \frac{\mathcal{L}_{a2t} + \mathcal{L}_{t2a}}{2NK},
+
+    i.e. the mean over languages of the symmetric InfoNCE. ``negatives="all_languages"``
+    (Nie et al. 2024) contrasts each audio with all :math:`NK` captions, its own K all
+    positive (mean of :math:`-\log\mathrm{softmax}` over them), and each caption with
+    all :math:`N` audios.
+
+    A ``mask`` marks present captions: an absent caption :math:`(j, k)` leaves every
+    numerator and denominator (per language, the loss is InfoNCE on the present pairs)
+    and the normaliser counts present pairs only. With ``K = 1`` this is
+    :func:`info_nce`.
+
+    Args:
+        audio: ``(B, D)``.
+        text: ``(B, K, D)``; ``text[i, k]`` is the caption of clip ``i`` in language ``k``.
+        temperature: :math:`\tau \ge 10^{-4}`.
+        mask: optional bool ``(B, K)``; ``True`` where the caption exists. Every clip
+            needs at least one caption. Absent captions may be zero rows (padding) but
+            must be finite (a NaN would reach the present rows' gradients).
+        negatives: ``"per_language"`` or ``"all_languages"``.
+        normalize: L2-normalise the inputs first.
+        reduction: ``"mean"``, ``"sum"``, or ``"none"``: per pair ``(B, K)``, the mean of
+            its a->t and t->a terms, 0 where absent.
+        gather: all-gather across ranks.
+        return_terms: also return ``{"loss_a2t", "loss_t2a", "loss_per_language"}``.
+
+    Shape:
+        audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``; output scalar or ``(B, K)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import kcl
+        >>> audio, text = torch.randn(4, 16), torch.randn(4, 3, 16)
+        >>> mask = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1], [1, 1, 1]]).bool()
+        >>> kcl(audio, text, mask=mask).shape
+        torch.Size([])
+    """
+    enabled = resolve_gather(gather)
+    with validate_together(enabled, audio) as v:
+        _checks.check_reduction(reduction)
+        _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
+        _temperature(temperature)
+        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
+        t_raw, text_norms, m, moderate = _text_and_mask(a, text, mask, normalize, v.min_batch)
+        v.batch = a.shape[0]
+    # Single process, per-language negatives: normalise through the scores (fast path),
+    # unless 1/||t||^2 in its backward could overflow (norms below sqrt(tiny)).
+    fused = normalize and not enabled and negatives == "per_language" and moderate
+    out_dtype = a.dtype
+    if fused and out_dtype in (torch.float16, torch.bfloat16):
+        # The fused path's unnormalised scores t @ a.T and its 1/||t||^2 in backward
+        # overflow float16 (||t|| < 0.004 or > ~200): compute in float32, return the
+        # input dtype (autograd casts the gradients back).
+        a, t_raw, text_norms = a.float(), t_raw.float(), text_norms.float()
+    t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
+    b, k_langs, dim = t.shape
+    a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
+    a_all, offset = _gather(a, enabled)
+    t_all, _ = _gather(t, enabled)
+    m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
+    batch = _batch(offset, a_all.shape[0], enabled)
+    row_mask = None if m is None else m.T  # (K, b)
+    col_mask = None if m_all is None else m_all.T  # (K, N)
+
+    if negatives == "per_language":
+        if enabled:
+            # (K, b, N): this rank's captions against all audio, and its audio against
+            # all captions of the same language.
+            t2a_scores = t.transpose(0, 1) @ a_all.T
+            a2t_scores = (a @ t_all.reshape(-1, dim).T).reshape(b, t_all.shape[0], k_langs)
+            a2t_scores = a2t_scores.permute(2, 0, 1)
+        else:
+            # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
+            flat = t.reshape(-1, dim)
+            if fused:
+                inv_norm = 1.0 / text_norms.reshape(-1)
+                scores = _NormalizedRowsMatmul.apply(flat, inv_norm, a)  # (B*K, B)
+            else:
+                scores = flat @ a.T
+            t2a_scores = scores.reshape(b, k_langs, b).transpose(0, 1)
+        if enabled:
+            a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
+            t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
+        else:
+            if row_mask is not None:  # absent captions leave rows and columns alike
+                valid = row_mask[:, :, None] & row_mask[:, None, :]  # (K, B, B)
+                t2a_scores = t2a_scores.masked_fill(~valid, torch.finfo(t2a_scores.dtype).min)
+            t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores)  # (K, B) each
+            if row_mask is not None:
+                t2a_k, a2t_k = t2a_k * row_mask, a2t_k * row_mask
+            a2t, t2a = a2t_k.T, t2a_k.T  # (B, K)
+    else:
+        a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
+        own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)
+        own[torch.arange(b, device=a.device), torch.arange(b, device=a.device) + offset] = True
+        positives = own[:, :, None].expand(-1, -1, k_langs)  # (b, N, K)
+        if m_all is not None:
+            a2t_logits = a2t_logits.masked_fill(
+                ~m_all.reshape(1, -1), torch.finfo(a2t_logits.dtype).min
+            )
+            positives = positives & m_all[None]
+        n_cols = a_all.shape[0] * k_langs
+        a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, n_cols))[:, None]  # (b, 1)
+        t2a_logits = t.reshape(-1, dim) @ a_all.T  # (b*K, N)
+        target = (torch.arange(b, device=a.device) + offset).repeat_interleave(k_langs)
+        t2a = F.cross_entropy(t2a_logits, target, reduction="none").reshape(b, k_langs)
+        a2t = a2t.expand(-1, k_langs)
+        if m is not None:
+            a2t, t2a = a2t * m, t2a * m
+
+    count: Tensor | int = b * k_langs if m_all is None else m_all.sum()
+    if enabled and m_all is None:
+        count = batch.n_global * k_langs
+    per_pair = (a2t + t2a) / 2  # (b, K)
+    loss = _reduce(per_pair, reduction, count, batch).to(out_dtype)
+    present = torch.ones_like(per_pair) if m_all is None else m_all.to(per_pair.dtype)
+    terms = {
+        "loss_a2t": _reduce(a2t, "mean", count, batch),
+        "loss_t2a": _reduce(t2a, "mean", count, batch),
+        # Each language's symmetric loss over its present pairs (local rows under gather).
+        "loss_per_language": per_pair.sum(0) / present[offset : offset + b].sum(0).clamp_min(1),
+    }
+    return _finish(loss, {k: v.to(out_dtype) for k, v in terms.items()}, return_terms)
+
+
+class KCLLoss(_TemperatureMixin):
+    r"""1-to-K contrastive loss (ATRI); see :func:`contrastive_losses.functional.kcl`.
+
+    Args:
+        temperature, learnable_temperature, max_logit_scale: as in :class:`InfoNCELoss`.
+        negatives: ``"per_language"`` (ATRI Eq. 9–11) or ``"all_languages"``.
+        normalize, reduction, gather: as in :class:`InfoNCELoss`; ``"none"`` gives ``(B, K)``.
+
+    Shape:
+        ``forward(audio (B, D), text (B, K, D), mask (B, K) = None)`` -> scalar or ``(B, K)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses import KCLLoss
+        >>> audio, text = torch.randn(4, 16), torch.randn(4, 8, 16)
+        >>> KCLLoss(temperature=0.07)(audio, text).shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.07,
+        *,
+        negatives: str = "per_language",
+        learnable_temperature: bool = False,
+        max_logit_scale: float = 100.0,
+        normalize: bool = True,
+        reduction: str = "mean",
+        gather: bool | None = None,
+    ) -> None:
+        super().__init__()
+        _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
+        _checks.check_reduction(reduction)
+        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
+        self.negatives = negatives
+        self.normalize = normalize
+        self.reduction = reduction
+        self.gather = gather
+
+    def forward(
+        self,
+        audio: Tensor,
+        text: Tensor,
+        mask: Tensor | None = None,
+        *,
+        return_terms: bool = False,
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        temperature = self.temperature
+        out = kcl(
+            audio,
+            text,
+            temperature,
+            mask=mask,
+            negatives=self.negatives,
+            normalize=self.normalize,
+            reduction=self.reduction,
+            gather=self.gather,
+            return_terms=return_terms,
+        )
+        return _with_terms(out, return_terms, temperature=temperature)
+
+    def contrastive_pairs(
+        self, audio: Tensor, text: Tensor, mask: Tensor | None = None
+    ) -> list[ContrastivePair]:
+        """One ``(audio, captions of language k)`` pair per language, rows masked."""
+        # Layout only: forward validated the batch (its size globally, under gather, where
+        # a rank may hold one sample or none; a local minimum here would fail one rank alone).
+        _checks.check_embeddings(
+            text, "text", ndim=3, dims="(B, K, D)", min_batch=0, check_values=False
+        )
+        return [
+            ContrastivePair(audio, text[:, k], None if mask is None else mask[:, k])
+            for k in range(text.shape[1])
+        ]

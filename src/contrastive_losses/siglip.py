@@ -1,0 +1,209 @@
+r"""SigLIP: the pairwise sigmoid loss (Zhai et al. 2023, "Sigmoid Loss for Language Image
+Pre-Training").
+
+Every audio-text pair of the batch is an independent binary problem, positive on the
+diagonal (or where ``ids`` match). :func:`siglip` is the maths, :class:`SigLIPLoss` the
+Module with a learnable logit scale :math:`c` (stored as :math:`\log c`) and bias :math:`b`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _checks
+from ._common import (
+    MIN_TEMPERATURE,
+    ContrastivePair,
+    Terms,
+    _batch,
+    _finish,
+    _gather,
+    _pair_and_ids,
+    _reduce,
+)
+from .distributed import all_gather_no_grad, resolve_gather, validate_together
+
+__all__ = ["SigLIPLoss", "siglip"]
+
+
+def _check_scale(scale: float | Tensor) -> None:
+    """SigLIP's logit scale :math:`c = 1/\\tau`: the bound of :func:`_temperature`."""
+    value = _checks.check_positive(scale, "scale")
+    if value > 1 / MIN_TEMPERATURE:
+        raise ValueError(
+            f"scale: {value:.3g} exceeds {1 / MIN_TEMPERATURE:g}, the largest logit scale "
+            f"(1/temperature) the losses accept"
+        )
+
+
+def _check_bias(bias: float | Tensor) -> None:
+    """A finite real scalar (SigLIP's bias may be negative or zero) of moderate size."""
+    value = _checks.check_scalar(bias, "bias", floating=True)
+    if value != value or abs(value) == float("inf"):
+        raise ValueError(f"bias: must be finite, got {value}")
+    if abs(value) > 1 / MIN_TEMPERATURE:  # a logit of its own: the same bound as the scale
+        raise ValueError(f"bias: |{value:.3g}| exceeds {1 / MIN_TEMPERATURE:g}")
+
+
+def siglip(
+    audio: Tensor,
+    text: Tensor,
+    scale: float | Tensor = 10.0,
+    bias: float | Tensor = -10.0,
+    *,
+    ids: Tensor | None = None,
+    normalize: bool = True,
+    reduction: str = "mean",
+    gather: bool | None = None,
+    return_terms: bool = False,
+) -> Tensor | tuple[Tensor, Terms]:
+    r"""Pairwise sigmoid loss (SigLIP, Zhai et al. 2023).
+
+    .. math::
+
+        \mathcal{L} = -\frac1B \sum_{i=1}^B \sum_{j=1}^B
+            \log \sigma\big(z_{ij}\,(c\,\langle a_i, t_j\rangle + b)\big),
+        \qquad z_{ij} = \begin{cases} 1 & i, j \text{ positive} \\ -1 & \text{else}\end{cases}
+
+    with scale :math:`c` (SigLIP's :math:`t' = \log c` initialised at :math:`\log 10`)
+    and bias :math:`b` (initialised at :math:`-10`).
+
+    Args:
+        audio: ``(B, D)``.
+        text: ``(B, D)``.
+        scale: :math:`c > 0`, float or 0-d tensor.
+        bias: :math:`b`, float or 0-d tensor.
+        ids: optional ``(B,)``; equal ids are positives.
+        normalize: L2-normalise the inputs first.
+        reduction: ``"mean"`` (sum over pairs / B), ``"sum"``, or ``"none"`` (row sums ``(B,)``).
+        gather: all-gather across ranks (this rank's audio rows against all texts).
+        return_terms: also return ``{"scale", "bias"}``.
+
+    Shape:
+        audio ``(B, D)``, text ``(B, D)``; output scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses.functional import siglip
+        >>> siglip(torch.randn(8, 16), torch.randn(8, 16)).shape
+        torch.Size([])
+    """
+    enabled = resolve_gather(gather)
+    with validate_together(enabled, audio) as v:
+        _checks.check_reduction(reduction)
+        _check_scale(scale)
+        _check_bias(bias)
+        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
+        v.batch = a.shape[0]
+    t_all, offset = _gather(t, enabled)
+    logits = scale * (a @ t_all.T) + bias  # (b, N)
+    if ids is None:
+        rows = torch.arange(a.shape[0], device=a.device)
+        positive = torch.zeros_like(logits, dtype=torch.bool)
+        positive[rows, rows + offset] = True
+    else:
+        ids_all = all_gather_no_grad(ids) if enabled else ids
+        positive = ids[:, None] == ids_all[None, :]
+    signs = positive.to(logits.dtype) * 2 - 1
+    per_row = -F.logsigmoid(signs * logits).sum(dim=1)  # (b,)
+    batch = _batch(offset, t_all.shape[0], enabled)
+    loss = _reduce(per_row, reduction, batch.n_global, batch)
+    terms = {"scale": torch.as_tensor(scale), "bias": torch.as_tensor(bias)}
+    return _finish(loss, terms, return_terms)
+
+
+class SigLIPLoss(nn.Module):
+    r"""Pairwise sigmoid loss; see :func:`contrastive_losses.functional.siglip`.
+
+    Args:
+        scale_init: initial scale :math:`c` (SigLIP: 10, stored as :math:`\log c`).
+        bias_init: initial bias :math:`b` (SigLIP: -10).
+        learnable: learn scale and bias (default) or keep them fixed.
+        normalize, reduction, gather: as in :class:`InfoNCELoss`.
+
+    Shape:
+        ``forward(audio (B, D), text (B, D), ids (B,) = None)`` -> scalar or ``(B,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_losses import SigLIPLoss
+        >>> SigLIPLoss()(torch.randn(8, 32), torch.randn(8, 32)).shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        scale_init: float = 10.0,
+        bias_init: float = -10.0,
+        *,
+        learnable: bool = True,
+        normalize: bool = True,
+        reduction: str = "mean",
+        gather: bool | None = None,
+    ) -> None:
+        super().__init__()
+        _checks.check_positive(scale_init, "scale_init")
+        if not torch.finfo(torch.float32).tiny <= scale_init <= 1.0 / MIN_TEMPERATURE:
+            raise ValueError(
+                f"scale_init: {scale_init:g} is outside [{torch.finfo(torch.float32).tiny:.3g}, "
+                f"{1.0 / MIN_TEMPERATURE:g}] (the logit scale is 1/temperature)"
+            )
+        if isinstance(bias_init, bool) or not isinstance(bias_init, (int, float)):
+            raise TypeError(f"bias_init: expected a float, got {type(bias_init).__name__}")
+        if not abs(bias_init) <= 1.0 / MIN_TEMPERATURE:  # False for NaN too
+            raise ValueError(
+                f"bias_init: must be finite with |bias_init| <= {1.0 / MIN_TEMPERATURE:g}, "
+                f"got {bias_init}"
+            )
+        _checks.check_reduction(reduction)
+        log_scale = torch.tensor(math.log(scale_init))
+        bias = torch.tensor(float(bias_init))
+        if learnable:
+            self.log_scale = nn.Parameter(log_scale)
+            self.bias = nn.Parameter(bias)
+        else:
+            self.register_buffer("log_scale", log_scale)
+            self.register_buffer("bias", bias)
+        self.normalize = normalize
+        self.reduction = reduction
+        self.gather = gather
+
+    @property
+    def scale(self) -> Tensor:
+        """Current logit scale :math:`c` (``exp`` of the stored :math:`\\log c`), a 0-d tensor."""
+        return self.log_scale.exp()
+
+    @property
+    def temperature(self) -> Tensor:
+        """:math:`1/c`, the temperature the sigmoid logits correspond to."""
+        return 1.0 / self.scale
+
+    def forward(
+        self,
+        audio: Tensor,
+        text: Tensor,
+        ids: Tensor | None = None,
+        *,
+        return_terms: bool = False,
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        return siglip(
+            audio,
+            text,
+            self.scale,
+            self.bias,
+            ids=ids,
+            normalize=self.normalize,
+            reduction=self.reduction,
+            gather=self.gather,
+            return_terms=return_terms,
+        )
+
+    def contrastive_pairs(
+        self, audio: Tensor, text: Tensor, ids: Tensor | None = None
+    ) -> list[ContrastivePair]:
+        """The one ``(audio, text)`` pair this loss contrasts."""
+        return [ContrastivePair(audio, text)]
