@@ -233,6 +233,18 @@ def check_int(value: object, name: str, minimum: int) -> int:
     return value
 
 
+def check_chunk_size(chunk_size: object) -> int | None:
+    """``None`` (dense) or a positive ``int`` column-tile size; returns it."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            "chunk_size: expected None (dense logits) or a positive int (columns per tile), "
+            f"got {chunk_size!r}"
+        )
+    return chunk_size
+
+
 def check_choice(value: object, name: str, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")

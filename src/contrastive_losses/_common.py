@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checks
-from ._kernels import _UpperClamp, l2_normalize
+from ._kernels import _TiledCrossEntropy, _UpperClamp, l2_normalize
 from .distributed import all_gather_no_grad, all_gather_with_grad
 
 Terms = dict[str, Tensor]
@@ -117,10 +117,13 @@ def _info_nce_rows(
     temperature: float | Tensor,
     ids: Tensor | None,
     gather: bool,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor, _Batch]:
     """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each."""
     b = a.shape[0]
     a = a / temperature  # scale the (b, D) side, not the (b, N) logits
+    if chunk_size is not None:
+        return _tiled_info_nce_rows(a, t, ids, gather, chunk_size)
     if not gather:
         logits = a @ t.T  # (B, B)
         if ids is None:
@@ -146,6 +149,21 @@ def _info_nce_rows(
         a2t = _multi_positive_ce(logits_a2t, same)
         t2a = _multi_positive_ce(logits_t2a, same)
     return a2t, t2a, _batch(offset, a_all.shape[0], True)
+
+
+def _tiled_info_nce_rows(
+    a: Tensor, t: Tensor, ids: Tensor | None, gather: bool, chunk_size: int
+) -> tuple[Tensor, Tensor, _Batch]:
+    """:func:`_info_nce_rows` over column tiles: this rank's audio rows against every
+    rank's text, the text columns' log-sum-exp completed across ranks in the kernel, so
+    only the text is gathered and no ``(b, N)`` logits exist."""
+    b = a.shape[0]
+    t_all, offset = _gather(t, gather)  # (N, D)
+    col_ids = None if ids is None else (all_gather_no_grad(ids) if gather else ids)
+    a2t, t2a = _TiledCrossEntropy.apply(
+        a, t_all[None], offset, ids, col_ids, None, None, chunk_size, (offset, offset + b), gather
+    )
+    return a2t[0], t2a[0], _batch(offset, t_all.shape[0], gather)
 
 
 def _finish(loss: Tensor, terms: Terms, return_terms: bool) -> Tensor | tuple[Tensor, Terms]:

@@ -1,6 +1,10 @@
 """Custom autograd Functions behind the losses: forward and backward written out where
 autograd's own path costs passes over the largest tensor.
 
+The tiled Functions (``chunk_size`` on every loss) never hold more than one
+``(Q, b, chunk)`` tile of logits: forward keeps per-row (and per-column) log-sum-exp
+vectors, backward recomputes each tile once and produces both gradients from it.
+
 Private: the losses call these; each docstring says which tensor it saves a pass over.
 Every one is checked against autograd's path (values and gradients, ``gradcheck``) in the
 tests. :func:`l2_normalize` is public through :mod:`contrastive_losses.functional`.
@@ -11,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import _checks
@@ -178,3 +183,331 @@ class _UpperClamp(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         outward = (x >= ctx.bound) & (grad < 0)  # descent would push x further out
         return torch.where(outward, torch.zeros_like(grad), grad), None
+
+
+# --------------------------------------------------------------------------- tiled
+
+
+def _tile_valid(
+    row_valid: Tensor | None, col_valid: Tensor | None, c0: int, c1: int
+) -> Tensor | None:
+    """``(Q, b, c)`` validity of a tile, ``None`` when everything is valid."""
+    if row_valid is None and col_valid is None:
+        return None
+    if row_valid is None:
+        return col_valid[:, None, c0:c1]  # type: ignore[index]
+    if col_valid is None:
+        return row_valid[:, :, None]
+    return row_valid[:, :, None] & col_valid[:, None, c0:c1]
+
+
+def _finite_or_zero(x: Tensor) -> Tensor:
+    """Log-sum-exp of an empty set is -inf; 0 keeps ``exp(s - lse)`` at 0, not NaN."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _positives(row_ids: Tensor, col_ids: Tensor, c0: int, c1: int) -> Tensor:
+    return row_ids[:, None] == col_ids[None, c0:c1]  # (b, c)
+
+
+def _diagonal_strip(p: Tensor, shift: int) -> tuple[Tensor, int]:
+    """The entries ``(i, i + shift)`` of the last two dims of ``p`` (a view) and the row of
+    the first of them."""
+    strip = p.diagonal(offset=shift, dim1=-2, dim2=-1)
+    return strip, max(0, -shift)
+
+
+class _TiledCrossEntropy(torch.autograd.Function):
+    r"""Row (and column) cross-entropies of ``S = x @ y.mT`` over column tiles.
+
+    ``x`` ``(b, D)`` or ``(Q, b, D)`` (already scaled by ``1/temperature``), ``y``
+    ``(Q, N, D)``. Positives: with ``row_ids``/``col_ids`` every equal pair (mean of
+    ``-log softmax`` over them); without, row ``i`` against column ``offset + i``. Valid
+    entries are ``row_valid[i] & col_valid[j]``; others leave every sum.
+
+    Returns ``(row_loss (Q, b), col_loss (Q, stop - start))``; the column losses of the
+    columns ``[start, stop)`` (this rank's), their log-sum-exp taken over every rank's
+    rows (one all_gather of ``(3, Q, N)`` partial statistics when ``gathered``).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        y: Tensor,
+        offset: int,
+        row_ids: Tensor | None,
+        col_ids: Tensor | None,
+        row_valid: Tensor | None,
+        col_valid: Tensor | None,
+        chunk: int,
+        columns: tuple[int, int] | None,
+        gathered: bool,
+    ) -> tuple[Tensor, Tensor]:
+        compute = _compute_dtype(x)
+        xc, yc = x.to(compute), y.to(compute)
+        q, n = yc.shape[0], yc.shape[1]
+        b = xc.shape[-2]
+        dev = xc.device
+        row_max = torch.full((q, b), float("-inf"), dtype=compute, device=dev)
+        row_sum = torch.zeros((q, b), dtype=compute, device=dev)
+        multi = row_ids is not None
+        symmetric = columns is not None
+        if multi:
+            row_pos = torch.zeros((q, b), dtype=compute, device=dev)
+            row_cnt = torch.zeros((q, b), dtype=compute, device=dev)
+        if symmetric:
+            col_lse = torch.empty((q, n), dtype=compute, device=dev)
+            if multi:
+                col_pos = torch.zeros((q, n), dtype=compute, device=dev)
+                col_cnt = torch.zeros((q, n), dtype=compute, device=dev)
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            s = xc @ yc[:, c0:c1].mT  # (Q, b, c)
+            valid = _tile_valid(row_valid, col_valid, c0, c1)
+            if valid is not None:
+                s = s.masked_fill_(~valid, float("-inf"))
+            if multi:
+                pos = _positives(row_ids, col_ids, c0, c1)  # type: ignore[arg-type]
+                pos = pos if valid is None else pos & valid
+                pos_s = torch.where(pos, s, torch.zeros((), dtype=compute, device=dev))
+                row_pos += pos_s.sum(-1)
+                row_cnt += pos.sum(-1)
+                if symmetric:
+                    col_pos[:, c0:c1] = pos_s.sum(-2)
+                    col_cnt[:, c0:c1] = pos.sum(-2)
+                del pos_s
+            if symmetric:
+                col_lse[:, c0:c1] = s.logsumexp(-2)
+            new_max = torch.maximum(row_max, s.amax(-1))
+            safe = _finite_or_zero(new_max)
+            row_sum.mul_((row_max - safe).exp_()).add_(s.sub_(safe[..., None]).exp_().sum(-1))
+            row_max = new_max
+        row_lse = row_max.add_(row_sum.log_())  # -inf where a row has no valid column
+        if not multi:
+            pos_cols = yc[:, offset : offset + b]  # (Q, b, D)
+            row_pos = (xc * pos_cols).sum(-1)  # (Q, b)
+            row_cnt = None
+        row_weight = None if row_valid is None else row_valid.to(compute)
+        row_loss = row_lse - (row_pos if row_cnt is None else row_pos / row_cnt.clamp_min(1))
+        if row_weight is not None:
+            row_loss = torch.where(row_valid, row_loss, torch.zeros_like(row_loss))
+        if symmetric:
+            if gathered:
+                stats = torch.stack(
+                    [col_lse, col_pos, col_cnt] if multi else [col_lse]
+                ).contiguous()
+                parts = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, stats)
+                every = torch.stack(parts)  # (world, 1 or 3, Q, N)
+                col_lse = every[:, 0].logsumexp(0)
+                if multi:
+                    col_pos, col_cnt = every[:, 1].sum(0), every[:, 2].sum(0)
+            start, stop = columns
+            if multi:
+                col_loss = col_lse[:, start:stop] - col_pos[:, start:stop] / col_cnt[
+                    :, start:stop
+                ].clamp_min(1)
+            else:  # diagonal: the positive of column offset + i is row i's
+                col_loss = col_lse[:, start:stop] - row_pos
+            if col_valid is not None:
+                v = col_valid[:, start:stop]
+                col_loss = torch.where(v, col_loss, torch.zeros_like(col_loss))
+            col_lse = _finite_or_zero(col_lse)
+        else:
+            col_loss = row_loss.new_zeros((q, 0))
+            col_lse = col_cnt = None
+        ctx.save_for_backward(
+            x, y, _finite_or_zero(row_lse), row_cnt if multi else None, col_lse,
+            col_cnt if (multi and symmetric) else None, row_ids, col_ids, row_valid, col_valid,
+        )
+        ctx.meta = (offset, chunk, columns, gathered, compute)
+        return row_loss.to(x.dtype), col_loss.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g_row: Tensor, g_col: Tensor) -> tuple[Any, ...]:
+        (x, y, row_lse, row_cnt, col_lse, col_cnt, row_ids, col_ids, row_valid,
+         col_valid) = ctx.saved_tensors
+        offset, chunk, columns, gathered, compute = ctx.meta
+        xc, yc = x.to(compute), y.to(compute)
+        q, n = yc.shape[0], yc.shape[1]
+        b = xc.shape[-2]
+        g_row = g_row.to(compute)
+        if row_valid is not None:
+            g_row = g_row * row_valid
+        multi = row_ids is not None
+        symmetric = columns is not None
+        if symmetric:
+            start, stop = columns
+            g_all = g_row.new_zeros((q, n))
+            g_all[:, start:stop] = g_col.to(compute)
+            if gathered:  # every rank's column gradients, each nonzero on its own slice
+                dist.all_reduce(g_all)
+            if col_valid is not None:
+                g_all = g_all * col_valid
+        row_coef = g_row if not multi else g_row / row_cnt.clamp_min(1)  # positive weights
+        if symmetric:
+            col_coef = g_all if not multi else g_all / col_cnt.clamp_min(1)
+        grad_x = torch.zeros_like(xc) if ctx.needs_input_grad[0] else None
+        grad_y = torch.empty_like(yc) if ctx.needs_input_grad[1] else None
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            yt = yc[:, c0:c1]
+            s = xc @ yt.mT  # (Q, b, c)
+            valid = _tile_valid(row_valid, col_valid, c0, c1)
+            if valid is not None:
+                s = s.masked_fill_(~valid, float("-inf"))
+            p = (s - row_lse[..., None]).exp_().mul_(g_row[..., None])
+            if symmetric:
+                p.add_(s.sub_(col_lse[:, None, c0:c1]).exp_().mul_(g_all[:, None, c0:c1]))
+            del s
+            if multi:
+                pos = _positives(row_ids, col_ids, c0, c1)
+                pos = pos if valid is None else pos & valid
+                w = row_coef[..., None].expand(-1, -1, c1 - c0)
+                if symmetric:
+                    w = w + col_coef[:, None, c0:c1]
+                p.sub_(torch.where(pos, w, torch.zeros((), dtype=compute, device=p.device)))
+            else:
+                strip, i0 = _diagonal_strip(p, offset - c0)
+                rows = slice(i0, i0 + strip.shape[-1])
+                w = row_coef[:, rows]
+                if symmetric:
+                    w = w + col_coef[:, offset + i0 : offset + i0 + strip.shape[-1]]
+                strip.sub_(w)
+            if grad_x is not None:
+                gx = p @ yt  # (Q, b, D)
+                grad_x += gx if xc.dim() == 3 else gx.sum(0)
+            if grad_y is not None:
+                grad_y[:, c0:c1] = p.mT @ xc
+        gx_out = None if grad_x is None else grad_x.to(x.dtype)
+        gy_out = None if grad_y is None else grad_y.to(y.dtype)
+        return gx_out, gy_out, None, None, None, None, None, None, None, None
+
+
+class _TiledSigmoid(torch.autograd.Function):
+    r"""Per-row SigLIP loss :math:`\sum_j \operatorname{softplus}(-z_{ij} l_{ij})` with
+    :math:`l = c\,x y^\top + b` and :math:`z = \pm 1` (positive or not), over column tiles.
+
+    ``x`` ``(b, D)``, ``y`` ``(N, D)``, ``scale`` and ``bias`` 0-d tensors. Positives as
+    in :class:`_TiledCrossEntropy`. Returns ``(b,)``; saves only the inputs.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        y: Tensor,
+        scale: Tensor,
+        bias: Tensor,
+        offset: int,
+        row_ids: Tensor | None,
+        col_ids: Tensor | None,
+        chunk: int,
+    ) -> Tensor:
+        compute = _compute_dtype(x)
+        xs, yc, bc = x.to(compute) * scale.to(compute), y.to(compute), bias.to(compute)
+        out = xs.new_zeros(xs.shape[0])
+        for c0 in range(0, yc.shape[0], chunk):
+            c1 = min(yc.shape[0], c0 + chunk)
+            logits = _signed_logits(xs, yc[c0:c1], bc, offset, row_ids, col_ids, c0, c1)
+            out += torch.nn.functional.softplus(logits).sum(-1)
+        ctx.save_for_backward(x, y, scale, bias, row_ids, col_ids)
+        ctx.meta = (offset, chunk, compute)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        x, y, scale, bias, row_ids, col_ids = ctx.saved_tensors
+        offset, chunk, compute = ctx.meta
+        xc, yc, sc, bc = x.to(compute), y.to(compute), scale.to(compute), bias.to(compute)
+        xs, g = xc * sc, g.to(compute)
+        grad_xs = torch.zeros_like(xc)
+        grad_y = torch.empty_like(yc)
+        grad_bias = xc.new_zeros(())
+        for c0 in range(0, yc.shape[0], chunk):
+            c1 = min(yc.shape[0], c0 + chunk)
+            # d softplus(-z l)/dl = -z sigmoid(-z l): sigmoid of the signed logits, sign back
+            d = _signed_logits(xs, yc[c0:c1], bc, offset, row_ids, col_ids, c0, c1)
+            d = _flip_positives(d.sigmoid_(), offset, row_ids, col_ids, c0, c1)
+            d.mul_(g[:, None])
+            grad_bias += d.sum()
+            grad_xs += d @ yc[c0:c1]
+            grad_y[c0:c1] = d.T @ xs
+        grad_scale = (grad_xs * xc).sum()  # sum_ij d_ij <x_i, y_j>
+        return (
+            (grad_xs * sc).to(x.dtype), grad_y.to(y.dtype), grad_scale.to(scale.dtype),
+            grad_bias.to(bias.dtype), None, None, None, None,
+        )
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float16/bfloat16 tiles are computed in float32, as the dense paths do."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _flip_positives(
+    t: Tensor, offset: int, row_ids: Tensor | None, col_ids: Tensor | None, c0: int, c1: int
+) -> Tensor:
+    """Negate the positive entries of a ``(b, c)`` tile of columns ``[c0, c1)``."""
+    if row_ids is None:
+        t.diagonal(offset=offset - c0).neg_()
+        return t
+    return torch.where(_positives(row_ids, col_ids, c0, c1), -t, t)  # type: ignore[arg-type]
+
+
+def _signed_logits(
+    xs: Tensor, y: Tensor, bias: Tensor, offset: int,
+    row_ids: Tensor | None, col_ids: Tensor | None, c0: int, c1: int,
+) -> Tensor:
+    """``-z * (xs @ y.T + bias)``: SigLIP's logits, positives negated, so that
+    ``softplus`` of them is the loss without cancellation."""
+    return _flip_positives((xs @ y.T).add_(bias), offset, row_ids, col_ids, c0, c1)
+
+
+@torch.no_grad()
+def _tiled_top_negatives(
+    x: Tensor, y: Tensor, k: int, offset: int, col_valid: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The positive, the ``k`` largest negatives (sorted descending, ``-inf`` where fewer
+    exist) and the smallest present similarity of each row of ``x @ y.mT``, tile by tile.
+
+    ``x`` ``(Q, b, D)``, ``y`` ``(Q, N, D)``, ``col_valid`` ``(Q, N)``; returns
+    ``(Q, b)``, ``(Q, b, k)``, ``(Q, b)``. Never more than one ``(Q, b, chunk)`` tile.
+    """
+    q, n = y.shape[0], y.shape[1]
+    b = x.shape[-2]
+    pos = (x * y[:, offset : offset + b]).sum(-1)  # (Q, b)
+    top = x.new_full((q, b, k), float("-inf"))
+    low = pos.clone()
+    rows = torch.arange(b, device=x.device)
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        s = x @ y[:, c0:c1].mT  # (Q, b, c)
+        invalid = torch.zeros(b, c1 - c0, dtype=torch.bool, device=x.device)
+        cols = rows + offset - c0
+        inside = (cols >= 0) & (cols < c1 - c0)
+        invalid[rows[inside], cols[inside]] = True  # the positive is not a negative
+        invalid = invalid.expand(q, -1, -1)
+        if col_valid is not None:
+            invalid = invalid | ~col_valid[:, None, c0:c1]
+        low = torch.minimum(low, s.masked_fill(invalid, float("inf")).amin(-1))
+        both = torch.cat([top, s.masked_fill_(invalid, float("-inf"))], dim=-1)
+        top = both.topk(min(k, both.shape[-1]), dim=-1).values
+    return pos, top, low
+
+
+@torch.no_grad()
+def _tiled_softmax_mean(
+    x: Tensor, y: Tensor, lse: Tensor, col_valid: Tensor | None, chunk: int
+) -> Tensor:
+    """``softmax(x @ y.mT) @ y`` ``(Q, b, D)`` from the rows' log-sum-exp ``lse``
+    ``(Q, b)``, one ``(Q, b, chunk)`` tile at a time."""
+    out = torch.zeros_like(x)
+    for c0 in range(0, y.shape[1], chunk):
+        c1 = min(y.shape[1], c0 + chunk)
+        p = (x @ y[:, c0:c1].mT).sub_(lse[..., None]).exp_()  # (Q, b, c)
+        if col_valid is not None:
+            p = p.mul_(col_valid[:, None, c0:c1])
+        out += p @ y[:, c0:c1]
+    return out

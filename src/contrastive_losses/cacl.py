@@ -41,6 +41,7 @@ def cacl(
     reduction: str = "mean",
     gather: bool | None = None,
     return_terms: bool = False,
+    chunk_size: int | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Audio–English co-anchor contrastive loss (CACL, ATRI Eq. 12–13).
 
@@ -65,6 +66,8 @@ def cacl(
         gather: all-gather across ranks.
         return_terms: also return ``{"loss_audio_english", "loss_audio_other",
             "loss_english_other"}`` (each a symmetric InfoNCE mean).
+        chunk_size: ``None`` (dense) or the column tile of the memory-bounded path, as
+            in :func:`~contrastive_losses.functional.info_nce`.
 
     Shape:
         audio, english, other ``(B, D)``; output scalar or ``(B,)``.
@@ -80,6 +83,7 @@ def cacl(
     with validate_together(enabled, audio) as v:
         _checks.check_reduction(reduction)
         _temperature(temperature)
+        _checks.check_chunk_size(chunk_size)
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
         e = _embeddings(english, "english", "(B, D)", normalize, v.min_batch)
         o = _embeddings(other, "other", "(B, D)", normalize, v.min_batch)
@@ -94,7 +98,7 @@ def cacl(
         "loss_audio_other": (a, o),
         "loss_english_other": (e, o),
     }.items():
-        x2y, y2x, batch = _info_nce_rows(x, y, temperature, None, enabled)
+        x2y, y2x, batch = _info_nce_rows(x, y, temperature, None, enabled, chunk_size)
         per_sample.append((x2y + y2x) / 2)
         terms[name] = _reduce(per_sample[-1], "mean", batch.n_global, batch)
     loss = _reduce(torch.stack(per_sample).mean(0), reduction, batch.n_global, batch)
@@ -184,7 +188,7 @@ class CACLLoss(_TemperatureMixin):
     Args:
         temperature, learnable_temperature, max_logit_scale: as in :class:`InfoNCELoss`.
         english_index: column of English in ``text`` (default 0).
-        normalize, reduction, gather: as in :class:`InfoNCELoss`.
+        normalize, reduction, gather, chunk_size: as in :class:`InfoNCELoss`.
 
     Shape:
         ``forward(audio (B, D), english (B, D), other (B, D))`` or
@@ -209,6 +213,7 @@ class CACLLoss(_TemperatureMixin):
         normalize: bool = True,
         reduction: str = "mean",
         gather: bool | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         _checks.check_reduction(reduction)
@@ -217,6 +222,7 @@ class CACLLoss(_TemperatureMixin):
         self.normalize = normalize
         self.reduction = reduction
         self.gather = gather
+        self.chunk_size = _checks.check_chunk_size(chunk_size)
 
     def triplet(
         self,
@@ -315,6 +321,7 @@ class CACLLoss(_TemperatureMixin):
             reduction=self.reduction,
             gather=self.gather,
             return_terms=return_terms,
+            chunk_size=self.chunk_size,
         )
         return _with_terms(out, return_terms, temperature=temperature)
 

@@ -37,6 +37,7 @@ def info_nce(
     reduction: str = "mean",
     gather: bool | None = None,
     return_terms: bool = False,
+    chunk_size: int | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Symmetric InfoNCE (the CLIP / CLAP loss).
 
@@ -60,6 +61,10 @@ def info_nce(
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-sample ``(B,)``).
         gather: all-gather across ranks; ``None`` gathers when distributed.
         return_terms: also return ``{"loss_a2t", "loss_t2a"}``.
+        chunk_size: ``None`` builds the ``(B, B)`` logits; an int tiles the columns in
+            blocks of that many and keeps only per-row and per-column log-sum-exp
+            vectors (memory ``O(B * chunk_size)``, the same value and gradients; see
+            "Large batches" in the docs).
 
     Shape:
         audio ``(B, D)``, text ``(B, D)``, ids ``(B,)``; output scalar or ``(B,)``.
@@ -75,9 +80,10 @@ def info_nce(
     with validate_together(enabled, audio) as v:
         _checks.check_reduction(reduction)
         _temperature(temperature)
+        _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
         v.batch = a.shape[0]
-    a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled)
+    a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled, chunk_size)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     terms = {
         "loss_a2t": _reduce(a2t, "mean", batch.n_global, batch),
@@ -96,6 +102,7 @@ class InfoNCELoss(_TemperatureMixin):
         normalize: L2-normalise inputs.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
         gather: all-gather across ranks (``None``: when distributed).
+        chunk_size: ``None`` (dense) or the column tile of the memory-bounded path.
 
     Shape:
         ``forward(audio (B, D), text (B, D), ids (B,) = None)`` -> scalar or ``(B,)``.
@@ -118,6 +125,7 @@ class InfoNCELoss(_TemperatureMixin):
         normalize: bool = True,
         reduction: str = "mean",
         gather: bool | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         _checks.check_reduction(reduction)
@@ -125,6 +133,7 @@ class InfoNCELoss(_TemperatureMixin):
         self.normalize = normalize
         self.reduction = reduction
         self.gather = gather
+        self.chunk_size = _checks.check_chunk_size(chunk_size)
 
     def forward(
         self,
@@ -144,6 +153,7 @@ class InfoNCELoss(_TemperatureMixin):
             reduction=self.reduction,
             gather=self.gather,
             return_terms=return_terms,
+            chunk_size=self.chunk_size,
         )
         return _with_terms(out, return_terms, temperature=temperature)
 

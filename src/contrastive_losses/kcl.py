@@ -16,6 +16,7 @@ from . import _checks
 from ._common import (
     ContrastivePair,
     Terms,
+    _Batch,
     _batch,
     _check_pair,
     _embeddings,
@@ -27,7 +28,13 @@ from ._common import (
     _TemperatureMixin,
     _with_terms,
 )
-from ._kernels import _NormalizedRowsMatmul, _per_language_ce, _SymmetricDiagonalCE, l2_normalize
+from ._kernels import (
+    _NormalizedRowsMatmul,
+    _per_language_ce,
+    _SymmetricDiagonalCE,
+    _TiledCrossEntropy,
+    l2_normalize,
+)
 from .distributed import all_gather_no_grad, resolve_gather, validate_together
 
 __all__ = ["KCLLoss", "kcl"]
@@ -62,6 +69,7 @@ def kcl(
     reduction: str = "mean",
     gather: bool | None = None,
     return_terms: bool = False,
+    chunk_size: int | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""1-to-K contrastive loss (KCL, ATRI Eq. 9–11): one audio, K captions in K languages.
 
@@ -100,6 +108,9 @@ def kcl(
             its a->t and t->a terms, 0 where absent.
         gather: all-gather across ranks.
         return_terms: also return ``{"loss_a2t", "loss_t2a", "loss_per_language"}``.
+        chunk_size: ``None`` builds the ``(K, B, B)`` scores; an int tiles the columns in
+            blocks of that many (memory ``O(K * B * chunk_size)``, the same value and
+            gradients), in both ``negatives`` modes.
 
     Shape:
         audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``; output scalar or ``(B, K)``.
@@ -117,12 +128,14 @@ def kcl(
         _checks.check_reduction(reduction)
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
         _temperature(temperature)
+        _checks.check_chunk_size(chunk_size)
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
         t_raw, text_norms, m, moderate = _text_and_mask(a, text, mask, normalize, v.min_batch)
         v.batch = a.shape[0]
     # Single process, per-language negatives: normalise through the scores (fast path),
     # unless 1/||t||^2 in its backward could overflow (norms below sqrt(tiny)).
     fused = normalize and not enabled and negatives == "per_language" and moderate
+    fused = fused and chunk_size is None
     out_dtype = a.dtype
     if fused and out_dtype in (torch.float16, torch.bfloat16):
         # The fused path's unnormalised scores t @ a.T and its 1/||t||^2 in backward
@@ -132,6 +145,11 @@ def kcl(
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
     b, k_langs, dim = t.shape
     a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
+    if chunk_size is not None:
+        a2t, t2a, offset, n_global, m_all = _tiled_pairs(a, t, m, negatives, enabled, chunk_size)
+        return _kcl_reduce(
+            a2t, t2a, m_all, _batch(offset, n_global, enabled), reduction, return_terms, out_dtype
+        )
     a_all, offset = _gather(a, enabled)
     t_all, _ = _gather(t, enabled)
     m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
@@ -185,8 +203,52 @@ def kcl(
         if m is not None:
             a2t, t2a = a2t * m, t2a * m
 
+    return _kcl_reduce(a2t, t2a, m_all, batch, reduction, return_terms, out_dtype)
+
+
+def _tiled_pairs(
+    a: Tensor, t: Tensor, m: Tensor | None, negatives: str, enabled: bool, chunk_size: int
+) -> tuple[Tensor, Tensor, int, int, Tensor | None]:
+    """Per-pair a->t and t->a losses ``(b, K)`` over column tiles (no ``(K, b, N)``
+    scores); also the offset, the global batch size and the gathered mask."""
+    b, k_langs, _ = t.shape
+    t_all, offset = _gather(t, enabled)  # (N, K, D); the audio stays local
+    n = t_all.shape[0]
+    m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
+    if negatives == "per_language":  # K problems: audio against language k's captions
+        a2t_k, t2a_k = _TiledCrossEntropy.apply(
+            a, t_all.transpose(0, 1), offset, None, None,
+            None if m is None else m.T, None if m_all is None else m_all.T,
+            chunk_size, (offset, offset + b), enabled,
+        )  # (K, b) each
+        return a2t_k.T, t2a_k.T, offset, n, m_all
+    # One problem: audio against all N*K captions, its own K (present) positive.
+    row_ids = torch.arange(offset, offset + b, device=a.device)
+    col_ids = torch.arange(n, device=a.device).repeat_interleave(k_langs)
+    a2t_r, t2a_c = _TiledCrossEntropy.apply(
+        a, t_all.reshape(1, n * k_langs, -1), offset, row_ids, col_ids,
+        None, None if m_all is None else m_all.reshape(1, -1),
+        chunk_size, (offset * k_langs, (offset + b) * k_langs), enabled,
+    )
+    a2t = a2t_r[0][:, None].expand(-1, k_langs)
+    t2a = t2a_c[0].reshape(b, k_langs)
+    return (a2t, t2a, offset, n, m_all) if m is None else (a2t * m, t2a, offset, n, m_all)
+
+
+def _kcl_reduce(
+    a2t: Tensor,
+    t2a: Tensor,
+    m_all: Tensor | None,
+    batch: _Batch,
+    reduction: str,
+    return_terms: bool,
+    out_dtype: torch.dtype,
+) -> Tensor | tuple[Tensor, Terms]:
+    """The loss and terms from the per-pair losses ``(b, K)`` of this rank's rows."""
+    b, k_langs = a2t.shape
+    offset = batch.offset
     count: Tensor | int = b * k_langs if m_all is None else m_all.sum()
-    if enabled and m_all is None:
+    if batch.world > 1 and m_all is None:
         count = batch.n_global * k_langs
     per_pair = (a2t + t2a) / 2  # (b, K)
     loss = _reduce(per_pair, reduction, count, batch).to(out_dtype)
@@ -206,7 +268,8 @@ class KCLLoss(_TemperatureMixin):
     Args:
         temperature, learnable_temperature, max_logit_scale: as in :class:`InfoNCELoss`.
         negatives: ``"per_language"`` (ATRI Eq. 9–11) or ``"all_languages"``.
-        normalize, reduction, gather: as in :class:`InfoNCELoss`; ``"none"`` gives ``(B, K)``.
+        normalize, reduction, gather, chunk_size: as in :class:`InfoNCELoss`; ``"none"``
+            gives ``(B, K)``.
 
     Shape:
         ``forward(audio (B, D), text (B, K, D), mask (B, K) = None)`` -> scalar or ``(B, K)``.
@@ -229,6 +292,7 @@ class KCLLoss(_TemperatureMixin):
         normalize: bool = True,
         reduction: str = "mean",
         gather: bool | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
@@ -238,6 +302,7 @@ class KCLLoss(_TemperatureMixin):
         self.normalize = normalize
         self.reduction = reduction
         self.gather = gather
+        self.chunk_size = _checks.check_chunk_size(chunk_size)
 
     def forward(
         self,
@@ -258,6 +323,7 @@ class KCLLoss(_TemperatureMixin):
             reduction=self.reduction,
             gather=self.gather,
             return_terms=return_terms,
+            chunk_size=self.chunk_size,
         )
         return _with_terms(out, return_terms, temperature=temperature)
 

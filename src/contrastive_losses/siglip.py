@@ -25,6 +25,7 @@ from ._common import (
     _pair_and_ids,
     _reduce,
 )
+from ._kernels import _TiledSigmoid
 from .distributed import all_gather_no_grad, resolve_gather, validate_together
 
 __all__ = ["SigLIPLoss", "siglip"]
@@ -60,6 +61,7 @@ def siglip(
     reduction: str = "mean",
     gather: bool | None = None,
     return_terms: bool = False,
+    chunk_size: int | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Pairwise sigmoid loss (SigLIP, Zhai et al. 2023).
 
@@ -82,6 +84,9 @@ def siglip(
         reduction: ``"mean"`` (sum over pairs / B), ``"sum"``, or ``"none"`` (row sums ``(B,)``).
         gather: all-gather across ranks (this rank's audio rows against all texts).
         return_terms: also return ``{"scale", "bias"}``.
+        chunk_size: ``None`` builds the ``(B, B)`` logits; an int tiles the columns in
+            blocks of that many (memory ``O(B * chunk_size)``, the same value and gradients,
+            those of ``scale`` and ``bias`` included).
 
     Shape:
         audio ``(B, D)``, text ``(B, D)``; output scalar or ``(B,)``.
@@ -97,23 +102,41 @@ def siglip(
         _checks.check_reduction(reduction)
         _check_scale(scale)
         _check_bias(bias)
+        _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
         v.batch = a.shape[0]
     t_all, offset = _gather(t, enabled)
-    logits = scale * (a @ t_all.T) + bias  # (b, N)
-    if ids is None:
-        rows = torch.arange(a.shape[0], device=a.device)
-        positive = torch.zeros_like(logits, dtype=torch.bool)
-        positive[rows, rows + offset] = True
+    ids_all = None if ids is None else (all_gather_no_grad(ids) if enabled else ids)
+    if chunk_size is None:
+        per_row = _dense_rows(a, t_all, scale, bias, offset, ids, ids_all)
     else:
-        ids_all = all_gather_no_grad(ids) if enabled else ids
-        positive = ids[:, None] == ids_all[None, :]
-    signs = positive.to(logits.dtype) * 2 - 1
-    per_row = -F.logsigmoid(signs * logits).sum(dim=1)  # (b,)
+        s_t, b_t = (torch.as_tensor(v, dtype=a.dtype, device=a.device) for v in (scale, bias))
+        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, ids_all, chunk_size)
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
     terms = {"scale": torch.as_tensor(scale), "bias": torch.as_tensor(bias)}
     return _finish(loss, terms, return_terms)
+
+
+def _dense_rows(
+    a: Tensor,
+    t_all: Tensor,
+    scale: float | Tensor,
+    bias: float | Tensor,
+    offset: int,
+    ids: Tensor | None,
+    ids_all: Tensor | None,
+) -> Tensor:
+    """Per-row losses ``(b,)`` from the ``(b, N)`` logits, with one ``(b, N)`` buffer for
+    them: the scale multiplies the ``(b, D)`` side, the bias and the positives' sign flip
+    are in place, and ``softplus(-z l)`` (= ``-logsigmoid(z l)``) needs no sign matrix."""
+    logits = (a * scale) @ t_all.T  # (b, N)
+    logits = logits.add_(bias)
+    if ids is None:
+        logits.diagonal(offset=offset).neg_()
+    else:
+        logits = torch.where(ids[:, None] == ids_all[None, :], -logits, logits)  # type: ignore[index]
+    return F.softplus(logits).sum(dim=1)
 
 
 class SigLIPLoss(nn.Module):
@@ -123,7 +146,7 @@ class SigLIPLoss(nn.Module):
         scale_init: initial scale :math:`c` (SigLIP: 10, stored as :math:`\log c`).
         bias_init: initial bias :math:`b` (SigLIP: -10).
         learnable: learn scale and bias (default) or keep them fixed.
-        normalize, reduction, gather: as in :class:`InfoNCELoss`.
+        normalize, reduction, gather, chunk_size: as in :class:`InfoNCELoss`.
 
     Shape:
         ``forward(audio (B, D), text (B, D), ids (B,) = None)`` -> scalar or ``(B,)``.
@@ -144,6 +167,7 @@ class SigLIPLoss(nn.Module):
         normalize: bool = True,
         reduction: str = "mean",
         gather: bool | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         _checks.check_positive(scale_init, "scale_init")
@@ -171,6 +195,7 @@ class SigLIPLoss(nn.Module):
         self.normalize = normalize
         self.reduction = reduction
         self.gather = gather
+        self.chunk_size = _checks.check_chunk_size(chunk_size)
 
     @property
     def scale(self) -> Tensor:
@@ -200,6 +225,7 @@ class SigLIPLoss(nn.Module):
             reduction=self.reduction,
             gather=self.gather,
             return_terms=return_terms,
+            chunk_size=self.chunk_size,
         )
 
     def contrastive_pairs(
