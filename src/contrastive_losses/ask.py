@@ -220,6 +220,131 @@ def _plans(plan: Tensor | None, n: int, b: int) -> list[Tensor | None]:
     raise ValueError(f"plan: expected shape ({b}, {b}) or ({n}, {b}, {b}), got {_shape(plan)}")
 
 
+def _checked_pair(audio: object, text: object) -> tuple[Tensor, Tensor]:
+    """The batch's ``(B, D)`` audio and text, checked as a pair."""
+    audio = check_embeddings(audio, "audio", ndim=2, dims="(B, D)")
+    text = check_embeddings(text, "text", ndim=2, dims="(B, D)")
+    check_same_size(audio, "audio", text, "text", 0, "batch size B")
+    check_same_size(audio, "audio", text, "text", 1, "embedding dim D")
+    check_same_device_dtype([(audio, "audio"), (text, "text")])
+    return audio, text
+
+
+def _retrieval_pairs(
+    audio: Tensor,
+    fine_audio: Tensor | None,
+    fine_text: Tensor | None,
+    coarse_audio: Tensor | None,
+    coarse_text: Tensor | None,
+    cdt: torch.dtype,
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """The retrieved knowledge pairs of each granularity present, checked and cast to the
+    compute dtype ``cdt``: ``g -> (pairs retrieved by the audio, by the text)``, each
+    ``(B, K, 2, D)``; fine always, coarse when both its tensors are given."""
+    if fine_audio is None or fine_text is None:
+        raise ValueError(
+            "fine_audio, fine_text: both are required (the fine granularity is always used); "
+            f"got {type(fine_audio).__name__} and {type(fine_text).__name__}"
+        )
+    if (coarse_audio is None) != (coarse_text is None):
+        raise ValueError(
+            f"coarse_audio, coarse_text: pass both or neither (got "
+            f"{type(coarse_audio).__name__} and {type(coarse_text).__name__})"
+        )
+    sources: dict[str, tuple[Tensor, Tensor]] = {}
+    for g, ka, kt in (("fine", fine_audio, fine_text), ("coarse", coarse_audio, coarse_text)):
+        ka = _check_knowledge(ka, f"{g}_audio", audio)
+        kt = _check_knowledge(kt, f"{g}_text", audio)
+        if ka is not None and kt is not None:
+            sources[g] = (ka.to(cdt), kt.to(cdt))
+    return sources
+
+
+def _potentials(
+    u: Tensor, v: Tensor, u_partner: Tensor, u_ret: Tensor, v_partner: Tensor, v_ret: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""One granularity's potentials (Eq. 16) from its reliability (Eq. 10-12):
+    :math:`F^{t\to a} = \operatorname{mean}_i -\log\Psi^{t\to a}_i`, :math:`F^{a\to t}`
+    likewise, and the mean entropy of the reliability weights of both directions."""
+    log_psi_t2a, w_t2a = reliability(u, u_partner, u_ret)  # Eq. 10-12
+    log_psi_a2t, w_a2t = reliability(v, v_partner, v_ret)
+    potential_t2a = -log_psi_t2a.mean()  # Eq. 16
+    potential_a2t = -log_psi_a2t.mean()
+    entropy = 0.5 * (
+        torch.special.entr(w_t2a).sum(-1).mean() + torch.special.entr(w_a2t).sum(-1).mean()
+    )
+    return potential_t2a, potential_a2t, entropy
+
+
+def _realignment(
+    sim: Tensor,
+    q: Tensor | None,
+    eye: Tensor,
+    ot_weight: float,
+    epsilon: float,
+    sinkhorn_iters: int,
+    detach_plan: bool,
+) -> Tensor:
+    r"""The re-alignment matrix of Eq. 14, :math:`A_g = (1-\beta) I + \beta B Q_g` (rows
+    sum to 1), with :math:`Q_g` the given plan ``q`` or the Sinkhorn plan of
+    :math:`S_g` = ``sim``; ``eye`` itself when there is no transport."""
+    if q is None and ot_weight > 0:
+        q = sinkhorn(sim.detach() if detach_plan else sim, epsilon, max_iter=sinkhorn_iters)
+    if q is None:
+        return eye
+    b = sim.shape[0]
+    return (1.0 - ot_weight) * eye + (ot_weight * b) * q.to(eye.dtype)  # Eq. 14
+
+
+def _modulated_loss(
+    ce: dict[tuple[str, str], Tensor],
+    potential: dict[tuple[str, str], Tensor],
+    granularities: list[str],
+    lambdas: dict[str, float],
+    zero: Tensor,
+) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
+    """Per direction the cross-entropies summed over the granularities (Eq. 15) and the
+    modulation by the potentials (Eq. 17); the per-sample loss, their mean (Eq. 18)."""
+    per_dir: dict[str, Tensor] = {}
+    modulation: dict[str, Tensor] = {}
+    for d in DIRECTIONS:
+        per_dir[d] = sum(ce[g, d] for g in granularities)  # type: ignore[assignment]  # Eq. 15
+        modulation[d] = 1.0 + sum(
+            (lambdas[g] * potential[g, d] for g in granularities), zero
+        )  # Eq. 17
+    per_sample = 0.5 * (
+        modulation["t2a"] * per_dir["t2a"] + modulation["a2t"] * per_dir["a2t"]
+    )  # Eq. 18
+    return per_dir, modulation, per_sample
+
+
+def _ask_terms(
+    ce: dict[tuple[str, str], Tensor],
+    potential: dict[tuple[str, str], Tensor],
+    per_dir: dict[str, Tensor],
+    modulation: dict[str, Tensor],
+    entropy: dict[str, Tensor],
+    zero: Tensor,
+) -> dict[str, Tensor]:
+    """The detached ``terms`` of :func:`ask`; an absent granularity gives 0 (NaN entropy)."""
+    nan = zero.new_full((), float("nan"))
+    terms: dict[str, Tensor] = {}
+    for g in GRANULARITIES:
+        for d in DIRECTIONS:
+            terms[f"ce_{g}_{d}"] = ce[g, d].mean() if (g, d) in ce else zero
+    for d in DIRECTIONS:
+        terms[f"loss_{d}"] = per_dir[d].mean()
+    terms["contrastive"] = 0.5 * (terms["loss_t2a"] + terms["loss_a2t"])
+    for g in GRANULARITIES:
+        for d in DIRECTIONS:
+            terms[f"potential_{g}_{d}"] = potential.get((g, d), zero)
+    for d in DIRECTIONS:
+        terms[f"modulation_{d}"] = modulation[d]
+    for g in GRANULARITIES:
+        terms[f"weight_entropy_{g}"] = entropy.get(g, nan)
+    return {k: t.detach() for k, t in terms.items()}
+
+
 def ask(
     audio: Tensor,
     text: Tensor,
@@ -327,33 +452,14 @@ def ask(
         >>> loss.shape, float(terms["ce_coarse_t2a"])
         (torch.Size([]), 0.0)
     """
-    audio = check_embeddings(audio, "audio", ndim=2, dims="(B, D)")
-    text = check_embeddings(text, "text", ndim=2, dims="(B, D)")
-    check_same_size(audio, "audio", text, "text", 0, "batch size B")
-    check_same_size(audio, "audio", text, "text", 1, "embedding dim D")
-    check_same_device_dtype([(audio, "audio"), (text, "text")])
+    audio, text = _checked_pair(audio, text)
     _check_hparams(
         injection_ratio, ot_weight, lambda_fine, lambda_coarse, epsilon, temperature,
         sinkhorn_iters, detach_plan, normalize, reduction,
     )  # fmt: skip
-    if fine_audio is None or fine_text is None:
-        raise ValueError(
-            "fine_audio, fine_text: both are required (the fine granularity is always used); "
-            f"got {type(fine_audio).__name__} and {type(fine_text).__name__}"
-        )
-    if (coarse_audio is None) != (coarse_text is None):
-        raise ValueError(
-            f"coarse_audio, coarse_text: pass both or neither (got "
-            f"{type(coarse_audio).__name__} and {type(coarse_text).__name__})"
-        )
     # float16/bfloat16 inputs: all arithmetic in float32 (exp, log-sum-exp, Sinkhorn).
     cdt = torch.promote_types(audio.dtype, torch.float32)
-    sources: dict[str, tuple[Tensor, Tensor]] = {}
-    for g, ka, kt in (("fine", fine_audio, fine_text), ("coarse", coarse_audio, coarse_text)):
-        ka = _check_knowledge(ka, f"{g}_audio", audio)
-        kt = _check_knowledge(kt, f"{g}_text", audio)
-        if ka is not None and kt is not None:
-            sources[g] = (ka.to(cdt), kt.to(cdt))
+    sources = _retrieval_pairs(audio, fine_audio, fine_text, coarse_audio, coarse_text, cdt)
 
     b = audio.shape[0]
     u, v = audio.to(cdt), text.to(cdt)
@@ -368,33 +474,17 @@ def ask(
     for (g, (ka, kt)), q in zip(sources.items(), plans, strict=True):
         u_ret, v_partner = ka[:, :, 0], ka[:, :, 1]  # retrieved by the audio
         u_partner, v_ret = kt[:, :, 0], kt[:, :, 1]  # retrieved by the text
-        log_psi_t2a, w_t2a = reliability(u, u_partner, u_ret)  # Eq. 10-12
-        log_psi_a2t, w_a2t = reliability(v, v_partner, v_ret)
-        potential[g, "t2a"] = -log_psi_t2a.mean()  # Eq. 16
-        potential[g, "a2t"] = -log_psi_a2t.mean()
-        entropy[g] = 0.5 * (
-            torch.special.entr(w_t2a).sum(-1).mean() + torch.special.entr(w_a2t).sum(-1).mean()
+        potential[g, "t2a"], potential[g, "a2t"], entropy[g] = _potentials(
+            u, v, u_partner, u_ret, v_partner, v_ret
         )
         sim = inject(u, u_ret, injection_ratio) @ inject(v, v_ret, injection_ratio).T  # S_g
-        if q is None and ot_weight > 0:
-            q = sinkhorn(sim.detach() if detach_plan else sim, epsilon, max_iter=sinkhorn_iters)
-        if q is None:
-            mix = eye
-        else:
-            mix = (1.0 - ot_weight) * eye + (ot_weight * b) * q.to(cdt)  # Eq. 14, rows sum to 1
+        mix = _realignment(sim, q, eye, ot_weight, epsilon, sinkhorn_iters, detach_plan)
         ce[g, "a2t"] = F.cross_entropy((mix @ sim) / temperature, target, reduction="none")
         ce[g, "t2a"] = F.cross_entropy((sim @ mix).T / temperature, target, reduction="none")
 
     zero = u.new_zeros(())
     lambdas = {"fine": lambda_fine, "coarse": lambda_coarse}
-    per_dir: dict[str, Tensor] = {}
-    modulation: dict[str, Tensor] = {}
-    for d in DIRECTIONS:
-        per_dir[d] = sum(ce[g, d] for g in sources)  # type: ignore[assignment]  # Eq. 15
-        modulation[d] = 1.0 + sum((lambdas[g] * potential[g, d] for g in sources), zero)  # Eq. 17
-    per_sample = 0.5 * (
-        modulation["t2a"] * per_dir["t2a"] + modulation["a2t"] * per_dir["a2t"]
-    )  # Eq. 18
+    per_dir, modulation, per_sample = _modulated_loss(ce, potential, list(sources), lambdas, zero)
     out = (
         per_sample.mean()
         if reduction == "mean"
@@ -405,22 +495,7 @@ def ask(
     loss = out.to(audio.dtype)
     if not return_terms:
         return loss
-    nan = u.new_full((), float("nan"))
-    terms: dict[str, Tensor] = {}
-    for g in GRANULARITIES:
-        for d in DIRECTIONS:
-            terms[f"ce_{g}_{d}"] = ce[g, d].mean() if (g, d) in ce else zero
-    for d in DIRECTIONS:
-        terms[f"loss_{d}"] = per_dir[d].mean()
-    terms["contrastive"] = 0.5 * (terms["loss_t2a"] + terms["loss_a2t"])
-    for g in GRANULARITIES:
-        for d in DIRECTIONS:
-            terms[f"potential_{g}_{d}"] = potential.get((g, d), zero)
-    for d in DIRECTIONS:
-        terms[f"modulation_{d}"] = modulation[d]
-    for g in GRANULARITIES:
-        terms[f"weight_entropy_{g}"] = entropy.get(g, nan)
-    return loss, {k: t.detach() for k, t in terms.items()}
+    return loss, _ask_terms(ce, potential, per_dir, modulation, entropy, zero)
 
 
 class ASKLoss(nn.Module):

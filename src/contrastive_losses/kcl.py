@@ -143,7 +143,7 @@ def kcl(
         # input dtype (autograd casts the gradients back).
         a, t_raw, text_norms = a.float(), t_raw.float(), text_norms.float()
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
-    b, k_langs, dim = t.shape
+    b, k_langs = t.shape[:2]
     a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
     if chunk_size is not None:
         a2t, t2a, offset, n_global, m_all = _tiled_pairs(a, t, m, negatives, enabled, chunk_size)
@@ -154,54 +154,12 @@ def kcl(
     t_all, _ = _gather(t, enabled)
     m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
     batch = _batch(offset, a_all.shape[0], enabled)
-    row_mask = None if m is None else m.T  # (K, b)
-    col_mask = None if m_all is None else m_all.T  # (K, N)
-
-    if negatives == "per_language":
-        if enabled:
-            # (K, b, N): this rank's captions against all audio, and its audio against
-            # all captions of the same language.
-            t2a_scores = t.transpose(0, 1) @ a_all.T
-            a2t_scores = (a @ t_all.reshape(-1, dim).T).reshape(b, t_all.shape[0], k_langs)
-            a2t_scores = a2t_scores.permute(2, 0, 1)
-        else:
-            # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
-            flat = t.reshape(-1, dim)
-            if fused:
-                inv_norm = 1.0 / text_norms.reshape(-1)
-                scores = _NormalizedRowsMatmul.apply(flat, inv_norm, a)  # (B*K, B)
-            else:
-                scores = flat @ a.T
-            t2a_scores = scores.reshape(b, k_langs, b).transpose(0, 1)
-        if enabled:
-            a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
-            t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
-        else:
-            if row_mask is not None:  # absent captions leave rows and columns alike
-                valid = row_mask[:, :, None] & row_mask[:, None, :]  # (K, B, B)
-                t2a_scores = t2a_scores.masked_fill(~valid, torch.finfo(t2a_scores.dtype).min)
-            t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores)  # (K, B) each
-            if row_mask is not None:
-                t2a_k, a2t_k = t2a_k * row_mask, a2t_k * row_mask
-            a2t, t2a = a2t_k.T, t2a_k.T  # (B, K)
+    if negatives == "per_language" and enabled:
+        a2t, t2a = _per_language_gathered(a, t, a_all, t_all, m, m_all, offset)
+    elif negatives == "per_language":
+        a2t, t2a = _per_language_local(a, t, m, text_norms if fused else None)
     else:
-        a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
-        own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)
-        own[torch.arange(b, device=a.device), torch.arange(b, device=a.device) + offset] = True
-        positives = own[:, :, None].expand(-1, -1, k_langs)  # (b, N, K)
-        if m_all is not None:
-            a2t_logits = a2t_logits.masked_fill(
-                ~m_all.reshape(1, -1), torch.finfo(a2t_logits.dtype).min
-            )
-            positives = positives & m_all[None]
-        n_cols = a_all.shape[0] * k_langs
-        a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, n_cols))[:, None]  # (b, 1)
-        t2a_logits = t.reshape(-1, dim) @ a_all.T  # (b*K, N)
-        target = (torch.arange(b, device=a.device) + offset).repeat_interleave(k_langs)
-        t2a = F.cross_entropy(t2a_logits, target, reduction="none").reshape(b, k_langs)
-        a2t = a2t.expand(-1, k_langs)
-        if m is not None:
-            a2t, t2a = a2t * m, t2a * m
+        a2t, t2a = _all_languages(a, t, a_all, t_all, m, m_all, offset)
 
     return _kcl_reduce(a2t, t2a, m_all, batch, reduction, return_terms, out_dtype)
 
@@ -260,6 +218,89 @@ def _kcl_reduce(
         "loss_per_language": per_pair.sum(0) / present[offset : offset + b].sum(0).clamp_min(1),
     }
     return _finish(loss, {k: v.to(out_dtype) for k, v in terms.items()}, return_terms)
+
+
+def _per_language_gathered(
+    a: Tensor,
+    t: Tensor,
+    a_all: Tensor,
+    t_all: Tensor,
+    m: Tensor | None,
+    m_all: Tensor | None,
+    offset: int,
+) -> tuple[Tensor, Tensor]:
+    """Eq. 9-10 under gather: this rank's ``(b, K)`` a->t and t->a losses, each row
+    against the global batch of its language; ``a`` is already divided by the
+    temperature."""
+    b, k_langs, dim = t.shape
+    row_mask = None if m is None else m.T  # (K, b)
+    col_mask = None if m_all is None else m_all.T  # (K, N)
+    # (K, b, N): this rank's captions against all audio, and its audio against
+    # all captions of the same language.
+    t2a_scores = t.transpose(0, 1) @ a_all.T
+    a2t_scores = (a @ t_all.reshape(-1, dim).T).reshape(b, t_all.shape[0], k_langs)
+    a2t_scores = a2t_scores.permute(2, 0, 1)
+    a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
+    t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
+    return a2t, t2a
+
+
+def _per_language_local(
+    a: Tensor, t: Tensor, m: Tensor | None, text_norms: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Eq. 9-10 on one process: the ``(B, K)`` a->t and t->a losses from one GEMM and
+    one fused cross-entropy of both directions. With ``text_norms`` the captions ``t``
+    are raw and normalised through the scores (the fast path)."""
+    b, k_langs, dim = t.shape
+    row_mask = None if m is None else m.T  # (K, b)
+    # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
+    flat = t.reshape(-1, dim)
+    if text_norms is not None:
+        inv_norm = 1.0 / text_norms.reshape(-1)
+        scores = _NormalizedRowsMatmul.apply(flat, inv_norm, a)  # (B*K, B)
+    else:
+        scores = flat @ a.T
+    t2a_scores = scores.reshape(b, k_langs, b).transpose(0, 1)
+    if row_mask is not None:  # absent captions leave rows and columns alike
+        valid = row_mask[:, :, None] & row_mask[:, None, :]  # (K, B, B)
+        t2a_scores = t2a_scores.masked_fill(~valid, torch.finfo(t2a_scores.dtype).min)
+    t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores)  # (K, B) each
+    if row_mask is not None:
+        t2a_k, a2t_k = t2a_k * row_mask, a2t_k * row_mask
+    return a2t_k.T, t2a_k.T  # (B, K)
+
+
+def _all_languages(
+    a: Tensor,
+    t: Tensor,
+    a_all: Tensor,
+    t_all: Tensor,
+    m: Tensor | None,
+    m_all: Tensor | None,
+    offset: int,
+) -> tuple[Tensor, Tensor]:
+    """``negatives="all_languages"`` (Nie et al. 2024): each audio against all ``N*K``
+    captions, its own K positive; each caption against all ``N`` audios. ``(b, K)`` each,
+    the a->t loss repeated over the clip's languages; 0 at absent captions."""
+    b, k_langs, dim = t.shape
+    a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
+    own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)
+    own[torch.arange(b, device=a.device), torch.arange(b, device=a.device) + offset] = True
+    positives = own[:, :, None].expand(-1, -1, k_langs)  # (b, N, K)
+    if m_all is not None:
+        a2t_logits = a2t_logits.masked_fill(
+            ~m_all.reshape(1, -1), torch.finfo(a2t_logits.dtype).min
+        )
+        positives = positives & m_all[None]
+    n_cols = a_all.shape[0] * k_langs
+    a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, n_cols))[:, None]  # (b, 1)
+    t2a_logits = t.reshape(-1, dim) @ a_all.T  # (b*K, N)
+    target = (torch.arange(b, device=a.device) + offset).repeat_interleave(k_langs)
+    t2a = F.cross_entropy(t2a_logits, target, reduction="none").reshape(b, k_langs)
+    a2t = a2t.expand(-1, k_langs)
+    if m is not None:
+        a2t, t2a = a2t * m, t2a * m
+    return a2t, t2a
 
 
 class KCLLoss(_TemperatureMixin):

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from . import _checks
 from ._common import (
+    _Batch,
     _batch,
     _check_pair,
     _check_row_mask,
@@ -667,72 +668,9 @@ class SupportVectorRegularizer(nn.Module):
         """
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
-        local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
-        glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
-        grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
-
-        def prepare(x: Tensor, name: str, mask: Tensor | None = None) -> int:
-            key = id(x)
-            if key not in local:
-                if x.dim() != 2:
-                    raise ValueError(
-                        "base: contrastive_pairs must give (B, D) tensors, got shape "
-                        f"{tuple(x.shape)}"
-                    )
-                x = _upcast_half(x)  # float32 inside, as support_vector_term
-                if normalize:  # masked rows may be zero padding, as in the base (KCL)
-                    x = l2_normalize(x, _checks.check_row_norms(x, name, mask=mask))
-                local[key] = x
-            return key
-
-        def gram(key: int) -> Tensor:
-            if key not in grams:
-                grams[key] = _gram(local[key], glob[key], enabled)
-            return grams[key]
-
-        # Every check before the first collective, and together: a rank failing alone
-        # raises on every rank instead of leaving the others in the gather.
-        first = pairs[0].audio if pairs else None
-        with validate_together(enabled, first) as v:
-            if len(pairs) == 0:
-                raise ValueError("base: contrastive_pairs returned no pairs")
-            # The mask marks absent captions: text rows only (one audio serves every language).
-            keys = [(prepare(p.audio, "audio"), prepare(p.text, "text", p.mask)) for p in pairs]
-            shapes = {tuple(x.shape) for x in local.values()}
-            if len(shapes) != 1:
-                raise ValueError(
-                    f"base: contrastive_pairs gave tensors of shapes {sorted(shapes)}; every "
-                    "pair needs (B, D) audio and text of one shape"
-                )
-            b = next(iter(local.values())).shape[0]
-            v.batch = b
-        offset = 0
-        for key, x in local.items():  # the same order on every rank
-            glob[key], offset = _gather(x, enabled)
-
-        def stack(xs: list[Tensor]) -> Tensor:
-            return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
-
-        # text anchors against the audio: s_ij = <t_i, a_j>, g_ij = <a_i, a_j>
-        sims = stack([local[t] @ glob[a].T for a, t in keys])  # (P, b, N)
-        pos_sims = stack([gram(a) for a, _ in keys])  # (P, b, N)
-        dist = stack([_distance(local[t], local[a]) for a, t in keys])  # (P, b)
-        if self.direction == "bi":  # audio anchors against the text
-            if enabled:
-                mirror = stack([local[a] @ glob[t].T for a, t in keys])
-            else:
-                mirror = sims.transpose(1, 2)  # <a_i, t_j> = <t_j, a_i>
-            sims = torch.cat([sims, mirror])  # (2P, b, N)
-            pos_sims = torch.cat([pos_sims, stack([gram(t) for _, t in keys])])
-            dist = torch.cat([dist, dist])
-
-        row_mask = col_mask = None
-        if any(p.mask is not None for p in pairs):
-            ones = torch.ones(b, dtype=torch.bool, device=sims.device)
-            mask = torch.stack([ones if p.mask is None else p.mask for p in pairs], dim=1)
-            mask = mask.repeat(1, sims.shape[0] // len(pairs))  # (b, Q)
-            row_mask = mask.T  # (Q, b)
-            col_mask = (all_gather_no_grad(mask) if enabled else mask).T.contiguous()  # (Q, N)
+        local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled)
+        sims, pos_sims, dist = _pair_similarities(local, glob, keys, self.direction, enabled)
+        row_mask, col_mask = _pair_masks(pairs, b, sims, enabled)
 
         temperature = self.temperature
         if isinstance(temperature, Tensor):  # a learnable temperature learns from the base only
@@ -745,25 +683,139 @@ class SupportVectorRegularizer(nn.Module):
         rows = _logit_rows(logits, offset)  # (Q, b)
         slope = _radius_slope(logits, sims, pos_sims, dist, offset) if with_slope else None
         con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
-        radii = radius.expand_as(rows)
-        over = (radius.detach() > dist.detach()).expand_as(rows)
-        con = con.expand_as(rows)
-        if row_mask is not None:
-            rows = torch.where(row_mask, rows, torch.zeros_like(rows))
-            con = torch.where(row_mask, con, torch.zeros_like(con))
-            radii = radii[row_mask]
-            over = over[row_mask]
-            slope = None if slope is None else slope[row_mask]
         batch = _batch(offset, sims.shape[-1], enabled)
-        count: Tensor | int = batch.n_global * rows.shape[0]
-        if col_mask is not None:
-            count = col_mask.sum().clamp_min(1)
-        if self.direction == "uni":  # Eq. 5-6 sum the directions; the base is their mean
-            count = count * 2
-        svr = _reduce(rows, "mean", count, batch)
-        constraint = _reduce(con, "mean", count, batch)
-        mean_slope = None if slope is None else slope.mean()
-        return svr, constraint, radii.reshape(-1), over.to(rows.dtype).mean(), mean_slope
+        return _anchor_means(
+            rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
+        )
+
+
+def _prepare_pairs(
+    pairs: list[Any], normalize: bool, enabled: bool
+) -> tuple[dict[int, Tensor], dict[int, Tensor], list[tuple[int, int]], int, int]:
+    """The pairs' tensors checked, upcast from half precision and normalised once each
+    (``id(raw tensor) ->`` local rows ``(b, D)``), gathered (``->`` global rows
+    ``(N, D)``), the ``(audio, text)`` keys of every pair, ``b`` and this rank's offset."""
+    local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
+    glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
+
+    def prepare(x: Tensor, name: str, mask: Tensor | None = None) -> int:
+        key = id(x)
+        if key not in local:
+            if x.dim() != 2:
+                raise ValueError(
+                    f"base: contrastive_pairs must give (B, D) tensors, got shape {tuple(x.shape)}"
+                )
+            x = _upcast_half(x)  # float32 inside, as support_vector_term
+            if normalize:  # masked rows may be zero padding, as in the base (KCL)
+                x = l2_normalize(x, _checks.check_row_norms(x, name, mask=mask))
+            local[key] = x
+        return key
+
+    # Every check before the first collective, and together: a rank failing alone
+    # raises on every rank instead of leaving the others in the gather.
+    first = pairs[0].audio if pairs else None
+    with validate_together(enabled, first) as v:
+        if len(pairs) == 0:
+            raise ValueError("base: contrastive_pairs returned no pairs")
+        # The mask marks absent captions: text rows only (one audio serves every language).
+        keys = [(prepare(p.audio, "audio"), prepare(p.text, "text", p.mask)) for p in pairs]
+        shapes = {tuple(x.shape) for x in local.values()}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"base: contrastive_pairs gave tensors of shapes {sorted(shapes)}; every "
+                "pair needs (B, D) audio and text of one shape"
+            )
+        b = next(iter(local.values())).shape[0]
+        v.batch = b
+    offset = 0
+    for key, x in local.items():  # the same order on every rank
+        glob[key], offset = _gather(x, enabled)
+    return local, glob, keys, b, offset
+
+
+def _stack(xs: list[Tensor]) -> Tensor:
+    return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
+
+
+def _pair_similarities(
+    local: dict[int, Tensor],
+    glob: dict[int, Tensor],
+    keys: list[tuple[int, int]],
+    direction: str,
+    enabled: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Anchor-candidate similarities ``s`` and positive-candidate similarities ``g``
+    ``(Q, b, N)``, and the anchor-positive distances ``(Q, b)``: text anchors against the
+    audio for every pair, then (``"bi"``) audio anchors against the text."""
+    grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
+
+    def gram(key: int) -> Tensor:
+        if key not in grams:
+            grams[key] = _gram(local[key], glob[key], enabled)
+        return grams[key]
+
+    # text anchors against the audio: s_ij = <t_i, a_j>, g_ij = <a_i, a_j>
+    sims = _stack([local[t] @ glob[a].T for a, t in keys])  # (P, b, N)
+    pos_sims = _stack([gram(a) for a, _ in keys])  # (P, b, N)
+    dist = _stack([_distance(local[t], local[a]) for a, t in keys])  # (P, b)
+    if direction == "bi":  # audio anchors against the text
+        if enabled:
+            mirror = _stack([local[a] @ glob[t].T for a, t in keys])
+        else:
+            mirror = sims.transpose(1, 2)  # <a_i, t_j> = <t_j, a_i>
+        sims = torch.cat([sims, mirror])  # (2P, b, N)
+        pos_sims = torch.cat([pos_sims, _stack([gram(t) for _, t in keys])])
+        dist = torch.cat([dist, dist])
+    return sims, pos_sims, dist
+
+
+def _pair_masks(
+    pairs: list[Any], b: int, sims: Tensor, enabled: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Present anchors ``(Q, b)`` and present candidates ``(Q, N)`` from the pairs'
+    masks (absent captions), or ``(None, None)`` when no pair has a mask."""
+    if not any(p.mask is not None for p in pairs):
+        return None, None
+    ones = torch.ones(b, dtype=torch.bool, device=sims.device)
+    mask = torch.stack([ones if p.mask is None else p.mask for p in pairs], dim=1)
+    mask = mask.repeat(1, sims.shape[0] // len(pairs))  # (b, Q)
+    row_mask = mask.T  # (Q, b)
+    col_mask = (all_gather_no_grad(mask) if enabled else mask).T.contiguous()  # (Q, N)
+    return row_mask, col_mask
+
+
+def _anchor_means(
+    rows: Tensor,
+    con: Tensor,
+    radius: Tensor,
+    dist: Tensor,
+    slope: Tensor | None,
+    row_mask: Tensor | None,
+    col_mask: Tensor | None,
+    batch: _Batch,
+    direction: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """SVR and constraint means over the present anchors of every direction (halved for
+    ``"uni"``: SupCLAP's Eq. 5-6 sum the directions, the base is their mean), the radii,
+    the share of radii above the distance and the mean radius slope."""
+    radii = radius.expand_as(rows)
+    over = (radius.detach() > dist.detach()).expand_as(rows)
+    con = con.expand_as(rows)
+    if row_mask is not None:
+        rows = torch.where(row_mask, rows, torch.zeros_like(rows))
+        con = torch.where(row_mask, con, torch.zeros_like(con))
+        radii = radii[row_mask]
+        over = over[row_mask]
+        slope = None if slope is None else slope[row_mask]
+    count: Tensor | int = batch.n_global * rows.shape[0]
+    if col_mask is not None:
+        count = col_mask.sum().clamp_min(1)
+    if direction == "uni":  # Eq. 5-6 sum the directions; the base is their mean
+        count = count * 2
+    svr = _reduce(rows, "mean", count, batch)
+    constraint = _reduce(con, "mean", count, batch)
+    mean_slope = None if slope is None else slope.mean()
+    return svr, constraint, radii.reshape(-1), over.to(rows.dtype).mean(), mean_slope
 
 
 def _check_base_reduction(base: nn.Module) -> None:
