@@ -32,7 +32,14 @@ from ._common import (
     _temperature,
     check_radius,
 )
-from ._kernels import _distance, _gram, l2_normalize
+from ._kernels import (
+    _distance,
+    _gram,
+    _tiled_softmax_mean,
+    _tiled_top_negatives,
+    _TiledCrossEntropy,
+    l2_normalize,
+)
 from .distributed import all_gather_no_grad, resolve_gather, validate_together
 
 __all__ = ["RadiusPredictor", "SupportVectorRegularizer", "support_vector_term"]
@@ -102,6 +109,51 @@ def _support_vector_rows(
     return _logit_rows(logits, offset)
 
 
+def _tiled_support_vector_rows(
+    x: Tensor,
+    y: Tensor,
+    y_pos: Tensor,
+    dist: Tensor,
+    radius: Tensor | float,
+    temperature: float | Tensor,
+    offset: int,
+    col_mask: Tensor | None,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """Per-row SVR cross-entropy ``(Q, b)`` over column tiles, and the support vectors
+    ``t_sup / tau`` ``(Q, b, D)``: anchors ``x`` and their positives ``y_pos``
+    ``(Q, b, D)``, candidates ``y`` ``(Q, N, D)``. The ``(b, D)`` support vector is built
+    here (it is smaller than a tile) and contrasted with :class:`_TiledCrossEntropy`;
+    the same maths as :func:`_support_vector_logits`."""
+    eps = torch.finfo(dist.dtype).eps
+    coef = torch.where(dist > eps, radius / dist.clamp_min(eps), torch.zeros_like(dist))
+    support = torch.lerp(x, y_pos, coef[..., None]) / temperature  # (Q, b, D)
+    rows, _ = _TiledCrossEntropy.apply(
+        support, y, offset, None, None, None, col_mask, chunk_size, None, False
+    )
+    return rows, support
+
+
+@torch.no_grad()
+def _tiled_radius_slope(
+    support: Tensor,
+    rows: Tensor,
+    x: Tensor,
+    y: Tensor,
+    y_pos: Tensor,
+    dist: Tensor,
+    col_mask: Tensor | None,
+    chunk_size: int,
+) -> Tensor:
+    """:func:`_radius_slope` from the tiled rows: with :math:`E_i = \sum_j P_{ij} a_j`
+    (one tiled pass) the slope is :math:`\langle a_i - t_i, E_i - a_i\rangle / d_i`."""
+    lse = rows + (support * y_pos).sum(-1)  # the rows' log-sum-exp
+    mean = _tiled_softmax_mean(support, y, lse, col_mask, chunk_size)  # (Q, b, D)
+    slope = ((y_pos - x) * (mean - y_pos)).sum(-1)
+    eps = torch.finfo(dist.dtype).eps
+    return torch.where(dist > eps, slope / dist.clamp_min(eps), torch.zeros_like(slope))
+
+
 @torch.no_grad()
 def _radius_slope(
     logits: Tensor, sims: Tensor, positive_sims: Tensor, dist: Tensor, offset: int
@@ -156,10 +208,15 @@ def _radius_features(
         top = neg.sort(dim=-1, descending=True).values[..., : n - 1]
         pad = top.new_full((*top.shape[:-1], k - (n - 1)), float("-inf"))
         top = torch.cat([top, pad], dim=-1)
-    if col_mask is not None or n - 1 < k:  # empty slots take the row minimum
-        row_min = torch.minimum(s.masked_fill(invalid, float("inf")).amin(dim=-1), s_pos)
-        top = torch.where(torch.isinf(top), row_min[..., None], top)
-    return torch.cat([s_pos[..., None], top], dim=-1)  # (..., b, num_features)
+    row_min = torch.minimum(s.masked_fill(invalid, float("inf")).amin(dim=-1), s_pos)
+    return _assemble_features(s_pos, top, row_min)
+
+
+def _assemble_features(s_pos: Tensor, top: Tensor, row_min: Tensor) -> Tensor:
+    """``[s_pos, top]`` ``(..., b, F)`` with the empty slots of ``top`` (``-inf``: absent
+    candidates, fewer than ``F - 1`` negatives) set to the row minimum ``row_min``."""
+    top = torch.where(torch.isinf(top), row_min[..., None], top)
+    return torch.cat([s_pos[..., None], top], dim=-1)
 
 
 def support_vector_term(
@@ -172,6 +229,7 @@ def support_vector_term(
     mask: Tensor | None = None,
     reduction: str = "mean",
     gather: bool | None = None,
+    chunk_size: int | None = None,
 ) -> Tensor:
     r"""The support-vector regularisation term of SupCLAP (Eq. 5–6), one direction.
 
@@ -210,6 +268,9 @@ def support_vector_term(
         gather: all-gather the candidates across ranks (this rank's anchors against the
             global batch; the loss is scaled as described in
             :mod:`contrastive_losses.distributed`).
+        chunk_size: ``None`` builds the ``(B, B)`` logits; an int tiles the candidates
+            in blocks of that many (memory ``O(B * chunk_size)``, the same value and
+            gradients, the radius' included).
 
     Shape:
         anchor ``(B, D)``, candidates ``(B, D)``, radius ``()`` or ``(B,)``, mask ``(B,)``;
@@ -230,6 +291,7 @@ def support_vector_term(
     with validate_together(enabled, anchor, name="anchor") as v:
         _checks.check_reduction(reduction)
         _temperature(temperature)
+        _checks.check_chunk_size(chunk_size)
         dtype = getattr(anchor, "dtype", None)
         if dtype is not None and dtype == getattr(candidates, "dtype", None):
             anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
@@ -243,21 +305,40 @@ def support_vector_term(
         v.batch = b
     y_all, offset = _gather(y, enabled)
     m_all = None if mask is None else (all_gather_no_grad(mask) if enabled else mask)
-    per_row = _support_vector_rows(
-        (x @ y_all.T)[None],  # (1, b, N)
-        _gram(y, y_all, enabled)[None],
-        _distance(x, y)[None],
-        r[None] if isinstance(r, Tensor) and r.dim() == 1 else r,
-        temperature,
-        offset,
-        None if m_all is None else m_all[None],
-    )[0]  # (b,)
+    r = r[None] if isinstance(r, Tensor) and r.dim() == 1 else r
+    col_mask = None if m_all is None else m_all[None]
+    if chunk_size is None:
+        per_row = _support_vector_rows(
+            (x @ y_all.T)[None],  # (1, b, N)
+            _gram(y, y_all, enabled)[None],
+            _distance(x, y)[None],
+            r,
+            temperature,
+            offset,
+            col_mask,
+        )[0]  # (b,)
+    else:
+        per_row = _tiled_support_vector_rows(
+            x[None], y_all[None], y[None], _distance(x, y)[None], r, temperature, offset,
+            col_mask, chunk_size,
+        )[0][0]
     batch = _batch(offset, y_all.shape[0], enabled)
     if mask is None:
         return _reduce(per_row, reduction, batch.n_global, batch).to(dtype)
     per_row = torch.where(mask, per_row, torch.zeros_like(per_row))
     count = m_all.sum().clamp_min(1) if m_all is not None else b  # all absent: loss 0
     return _reduce(per_row, reduction, count, batch).to(dtype)
+
+
+def _check_similarity_peak(s: Tensor) -> None:
+    """Finite similarities of magnitude at most ``MAX_SIMILARITY`` (one host sync)."""
+    peak = float(s.detach().abs().amax()) if s.numel() else 0.0  # NaN if any is NaN
+    if not peak <= MAX_SIMILARITY:  # one host sync for NaN, Inf and the bound
+        _checks.check_finite(s, "similarities")
+        raise ValueError(
+            f"similarities: |value| up to {peak:.3g} exceeds {MAX_SIMILARITY:g}; the "
+            "predictor reads cos/temperature, at most 1e4 at the temperature floor"
+        )
 
 
 class RadiusPredictor(nn.Module):
@@ -326,13 +407,7 @@ class RadiusPredictor(nn.Module):
         b, n = s.shape[-2], s.shape[-1]
         if n < 2:
             raise ValueError(f"similarities: need N >= 2 candidates (a negative), got N={n}")
-        peak = float(s.detach().abs().amax()) if s.numel() else 0.0  # NaN if any is NaN
-        if not peak <= MAX_SIMILARITY:  # one host sync for NaN, Inf and the bound
-            _checks.check_finite(s, "similarities")
-            raise ValueError(
-                f"similarities: |value| up to {peak:.3g} exceeds {MAX_SIMILARITY:g}; the "
-                "predictor reads cos/temperature, at most 1e4 at the temperature floor"
-            )
+        _check_similarity_peak(s)
         _checks.check_int(offset, "offset", 0)
         if offset + b > n:
             raise ValueError(f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns")
@@ -341,9 +416,12 @@ class RadiusPredictor(nn.Module):
         return _radius_features(s, self.num_features, offset, mask)
 
     def forward(self, similarities: Tensor, offset: int = 0, mask: Tensor | None = None) -> Tensor:
-        f = self.features(similarities, offset, mask)
+        return self._from_features(self.features(similarities, offset, mask))
+
+    def _from_features(self, f: Tensor) -> Tensor:
+        """The radii ``(..., B)`` from feature rows ``(..., B, num_features)``."""
         dtype = next(self.parameters()).dtype
-        return self.mlp(f.to(dtype)).squeeze(-1).to(similarities.dtype)
+        return self.mlp(f.to(dtype)).squeeze(-1).to(f.dtype)
 
 
 class SupportVectorRegularizer(nn.Module):
@@ -669,6 +747,11 @@ class SupportVectorRegularizer(nn.Module):
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
         local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled)
+        chunk_size = getattr(self.base, "chunk_size", None)
+        if chunk_size is not None:
+            return self._regularise_tiled(
+                pairs, local, glob, keys, b, offset, enabled, with_slope, chunk_size
+            )
         sims, pos_sims, dist = _pair_similarities(local, glob, keys, self.direction, enabled)
         row_mask, col_mask = _pair_masks(pairs, b, sims, enabled)
 
@@ -684,6 +767,47 @@ class SupportVectorRegularizer(nn.Module):
         slope = _radius_slope(logits, sims, pos_sims, dist, offset) if with_slope else None
         con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
         batch = _batch(offset, sims.shape[-1], enabled)
+        return _anchor_means(
+            rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
+        )
+
+    def _regularise_tiled(
+        self,
+        pairs: list[Any],
+        local: dict[int, Tensor],
+        glob: dict[int, Tensor],
+        keys: list[tuple[int, int]],
+        b: int,
+        offset: int,
+        enabled: bool,
+        with_slope: bool,
+        chunk_size: int,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """:meth:`_regularise` over column tiles (the base's ``chunk_size``): no
+        ``(Q, b, N)`` similarities; the predictor's top negatives come from a running
+        top-k over the tiles."""
+        x, y, y_pos = _pair_problems(local, glob, keys, self.direction)
+        dist = _distance(x, y_pos)  # (Q, b)
+        row_mask, col_mask = _pair_masks(pairs, b, x, enabled)
+        temperature = self.temperature
+        if isinstance(temperature, Tensor):  # a learnable temperature learns from the base only
+            temperature = temperature.detach()
+        if self.predictor is None:
+            radius = self.radius.to(x.dtype)  # ()
+        else:  # SupCLAP's s = cos / tau, from the running top-k of every tile
+            k = self.predictor.num_features - 1
+            parts = _tiled_top_negatives(x, y, k, offset, col_mask, chunk_size)
+            features = _assemble_features(*(p / temperature for p in parts))
+            _check_similarity_peak(features)
+            radius = self.predictor._from_features(features)  # (Q, b)
+        rows, support = _tiled_support_vector_rows(
+            x, y, y_pos, dist, radius, temperature, offset, col_mask, chunk_size
+        )
+        slope = None
+        if with_slope:
+            slope = _tiled_radius_slope(support, rows, x, y, y_pos, dist, col_mask, chunk_size)
+        con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
+        batch = _batch(offset, y.shape[1], enabled)
         return _anchor_means(
             rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
         )
@@ -737,6 +861,25 @@ def _stack(xs: list[Tensor]) -> Tensor:
     return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
 
 
+def _pair_problems(
+    local: dict[int, Tensor], glob: dict[int, Tensor], keys: list[tuple[int, int]], direction: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Anchors and their positives ``(Q, b, D)`` and candidates ``(Q, N, D)``: text
+    anchors against the audio for every pair, then (``"bi"``) audio anchors against the
+    text. A tensor shared by every problem (KCL's audio) is expanded, not copied."""
+    triples = [(local[t], glob[a], local[a]) for a, t in keys]
+    if direction == "bi":
+        triples += [(local[a], glob[t], local[t]) for a, t in keys]
+
+    def stack(xs: list[Tensor]) -> Tensor:
+        if all(x is xs[0] for x in xs):
+            return xs[0].expand(len(xs), *xs[0].shape)
+        return torch.stack(xs)
+
+    x, y, y_pos = zip(*triples, strict=True)
+    return stack(list(x)), stack(list(y)), stack(list(y_pos))
+
+
 def _pair_similarities(
     local: dict[int, Tensor],
     glob: dict[int, Tensor],
@@ -770,15 +913,16 @@ def _pair_similarities(
 
 
 def _pair_masks(
-    pairs: list[Any], b: int, sims: Tensor, enabled: bool
+    pairs: list[Any], b: int, like: Tensor, enabled: bool
 ) -> tuple[Tensor | None, Tensor | None]:
     """Present anchors ``(Q, b)`` and present candidates ``(Q, N)`` from the pairs'
-    masks (absent captions), or ``(None, None)`` when no pair has a mask."""
+    masks (absent captions), or ``(None, None)`` when no pair has a mask; ``like`` is
+    any ``(Q, ...)`` tensor of the problems, on their device."""
     if not any(p.mask is not None for p in pairs):
         return None, None
-    ones = torch.ones(b, dtype=torch.bool, device=sims.device)
+    ones = torch.ones(b, dtype=torch.bool, device=like.device)
     mask = torch.stack([ones if p.mask is None else p.mask for p in pairs], dim=1)
-    mask = mask.repeat(1, sims.shape[0] // len(pairs))  # (b, Q)
+    mask = mask.repeat(1, like.shape[0] // len(pairs))  # (b, Q)
     row_mask = mask.T  # (Q, b)
     col_mask = (all_gather_no_grad(mask) if enabled else mask).T.contiguous()  # (Q, N)
     return row_mask, col_mask
