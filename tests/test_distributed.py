@@ -1,5 +1,6 @@
 """Two gloo processes on CPU with uneven batches (5 and 3) reproduce the single-process
-loss on the concatenated batch, and its gradient, for every loss (float64, 1e-6 rel)."""
+loss on the concatenated batch, and its gradient, for every loss (float64, 1e-6 rel), on
+the dense path and tiled (``chunk_size``): tiled == dense == single process."""
 
 from __future__ import annotations
 
@@ -16,18 +17,38 @@ from contrastive_losses.distributed import resolve_gather
 
 
 def _losses(gather: bool):
-    """name -> fn(audio, text, mask, ids); each uses text differently."""
-    return {
-        "info_nce": lambda a, t, m, i: CF.info_nce(a, t[:, 0], 0.2, gather=gather),
-        "info_nce_ids": lambda a, t, m, i: CF.info_nce(a, t[:, 0], 0.2, ids=i, gather=gather),
-        "siglip": lambda a, t, m, i: CF.siglip(a, t[:, 0], 3.0, -1.0, gather=gather),
-        "kcl": lambda a, t, m, i: CF.kcl(a, t, 0.2, mask=m, gather=gather),
-        "kcl_nomask": lambda a, t, m, i: CF.kcl(a, t, 0.2, gather=gather),
-        "kcl_all": lambda a, t, m, i: CF.kcl(
-            a, t, 0.2, mask=m, negatives="all_languages", gather=gather
+    """name -> fn(audio, text, mask, ids); each uses text differently. Every loss runs
+    dense and tiled (``chunk_size`` 2 and 3: one divides the 8-sample batch, one does not;
+    3 equals rank 1's rows)."""
+    dense = {
+        "info_nce": lambda a, t, m, i, c: CF.info_nce(a, t[:, 0], 0.2, gather=gather, chunk_size=c),
+        "info_nce_ids": lambda a, t, m, i, c: CF.info_nce(
+            a, t[:, 0], 0.2, ids=i, gather=gather, chunk_size=c
         ),
-        "cacl": lambda a, t, m, i: CF.cacl(a, t[:, 0], t[:, 1], 0.2, gather=gather),
+        "siglip": lambda a, t, m, i, c: CF.siglip(
+            a, t[:, 0], 3.0, -1.0, gather=gather, chunk_size=c
+        ),
+        "siglip_ids": lambda a, t, m, i, c: CF.siglip(
+            a, t[:, 0], 3.0, -1.0, ids=i, gather=gather, chunk_size=c
+        ),
+        "kcl": lambda a, t, m, i, c: CF.kcl(a, t, 0.2, mask=m, gather=gather, chunk_size=c),
+        "kcl_nomask": lambda a, t, m, i, c: CF.kcl(a, t, 0.2, gather=gather, chunk_size=c),
+        "kcl_all": lambda a, t, m, i, c: CF.kcl(
+            a, t, 0.2, mask=m, negatives="all_languages", gather=gather, chunk_size=c
+        ),
+        "cacl": lambda a, t, m, i, c: CF.cacl(
+            a, t[:, 0], t[:, 1], 0.2, gather=gather, chunk_size=c
+        ),
+        "svr_term": lambda a, t, m, i, c: CF.support_vector_term(
+            t[:, 1], a, 0.3, 0.2, mask=m[:, 1], gather=gather, chunk_size=c
+        ),
     }
+    out = {}
+    for name, fn in dense.items():
+        for chunk in (None, 2, 3):
+            key = name if chunk is None else f"{name}_chunk{chunk}"
+            out[key] = lambda a, t, m, i, fn=fn, chunk=chunk: fn(a, t, m, i, chunk)
+    return out
 
 
 def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
@@ -60,7 +81,9 @@ def test_gathered_loss_and_grads_match_single_process(rank_results, name):
     data = rank_data()
     a = data["audio"].clone().requires_grad_()
     t = data["text"].clone().requires_grad_()
-    loss = _losses(gather=False)[name](a, t, data["mask"], data["ids"])
+    # the single-process reference is always the dense path
+    dense_name = name.split("_chunk")[0]
+    loss = _losses(gather=False)[dense_name](a, t, data["mask"], data["ids"])
     loss.backward()
     assert_ddp_average_matches(rank_results, name, loss, a, t)
 

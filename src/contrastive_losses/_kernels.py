@@ -201,6 +201,11 @@ def _tile_valid(
     return row_valid[:, :, None] & col_valid[:, None, c0:c1]
 
 
+def _where_valid(loss: Tensor, valid: Tensor | None) -> Tensor:
+    """0 where ``valid`` is False (an absent row or column leaves the loss)."""
+    return loss if valid is None else torch.where(valid, loss, torch.zeros_like(loss))
+
+
 def _finite_or_zero(x: Tensor) -> Tensor:
     """Log-sum-exp of an empty set is -inf; 0 keeps ``exp(s - lse)`` at 0, not NaN."""
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
@@ -217,6 +222,75 @@ def _diagonal_strip(p: Tensor, shift: int) -> tuple[Tensor, int]:
     return strip, max(0, -shift)
 
 
+def _masked_tile(
+    xc: Tensor, yc: Tensor, c0: int, c1: int, row_valid: Tensor | None, col_valid: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """Logits ``(Q, b, c)`` of columns ``[c0, c1)``, ``-inf`` at invalid entries, and
+    the tile's validity (``None``: all valid)."""
+    s = xc @ yc[:, c0:c1].mT
+    valid = _tile_valid(row_valid, col_valid, c0, c1)
+    if valid is not None:
+        s = s.masked_fill_(~valid, float("-inf"))
+    return s, valid
+
+
+def _tile_positives(
+    row_ids: Tensor, col_ids: Tensor, valid: Tensor | None, c0: int, c1: int
+) -> Tensor:
+    """Valid positive entries of a tile, ``(b, c)`` or ``(Q, b, c)``."""
+    pos = _positives(row_ids, col_ids, c0, c1)
+    return pos if valid is None else pos & valid
+
+
+def _forward_statistics(
+    xc: Tensor,
+    yc: Tensor,
+    ids: tuple[Tensor, Tensor] | None,
+    row_valid: Tensor | None,
+    col_valid: Tensor | None,
+    chunk: int,
+    symmetric: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One pass over the tiles: the rows' log-sum-exp ``(Q, b)`` (online, running max
+    and sum), with ``ids`` the rows' positive logit sums and counts ``(2, Q, b)``, and
+    for ``symmetric`` the columns' log-sum-exp over these rows (and with ``ids`` their
+    positive sums and counts) ``(1 or 3, Q, N)``."""
+    q, n, b = yc.shape[0], yc.shape[1], xc.shape[-2]
+    row_max = xc.new_full((q, b), float("-inf"))
+    row_sum = xc.new_zeros((q, b))
+    row_pos = None if ids is None else xc.new_zeros((2, q, b))
+    cols = xc.new_zeros((1 if ids is None else 3, q, n)) if symmetric else None
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        s, valid = _masked_tile(xc, yc, c0, c1, row_valid, col_valid)
+        if ids is not None:
+            pos = _tile_positives(*ids, valid, c0, c1)
+            pos_s = torch.where(pos, s, s.new_zeros(()))
+            row_pos[0] += pos_s.sum(-1)  # type: ignore[index]
+            row_pos[1] += pos.sum(-1)  # type: ignore[index]
+            if cols is not None:
+                cols[1, :, c0:c1] = pos_s.sum(-2)
+                cols[2, :, c0:c1] = pos.sum(-2)
+        if cols is not None:
+            cols[0, :, c0:c1] = s.logsumexp(-2)
+        new_max = torch.maximum(row_max, s.amax(-1))
+        safe = _finite_or_zero(new_max)
+        row_sum.mul_((row_max - safe).exp_()).add_(s.sub_(safe[..., None]).exp_().sum(-1))
+        row_max = new_max
+    return row_max.add_(row_sum.log_()), row_pos, cols  # lse -inf where no valid column
+
+
+def _combine_columns(cols: Tensor, gathered: bool) -> Tensor:
+    """Column statistics over every rank's rows: one ``all_gather`` of the partial
+    ``(1 or 3, Q, N)`` statistics, log-sum-exp'd (the lse) and summed (positives)."""
+    if not gathered:
+        return cols
+    parts = [torch.empty_like(cols) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, cols.contiguous())
+    every = torch.stack(parts)  # (world, 1 or 3, Q, N)
+    return torch.cat([every[:, :1].logsumexp(0), every[:, 1:].sum(0)])
+
+
 class _TiledCrossEntropy(torch.autograd.Function):
     r"""Row (and column) cross-entropies of ``S = x @ y.mT`` over column tiles.
 
@@ -225,13 +299,16 @@ class _TiledCrossEntropy(torch.autograd.Function):
     ``-log softmax`` over them); without, row ``i`` against column ``offset + i``. Valid
     entries are ``row_valid[i] & col_valid[j]``; others leave every sum.
 
-    Returns ``(row_loss (Q, b), col_loss (Q, stop - start))``; the column losses of the
-    columns ``[start, stop)`` (this rank's), their log-sum-exp taken over every rank's
-    rows (one all_gather of ``(3, Q, N)`` partial statistics when ``gathered``).
+    Returns ``(row_loss (Q, b), col_loss (Q, stop - start))`` with ``columns = (start,
+    stop)`` this rank's columns (``None``: rows only, ``col_loss`` empty). The columns'
+    log-sum-exp runs over every rank's rows: one ``all_gather`` of ``(1 or 3, Q, N)``
+    partial statistics in forward and one ``all_reduce`` of ``(Q, N)`` column gradients
+    in backward when ``gathered``. Saves the inputs and ``O(Q (b + N))`` statistics;
+    forward computes each tile once, backward recomputes it once for both gradients.
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: Tensor,
         y: Tensor,
@@ -246,92 +323,50 @@ class _TiledCrossEntropy(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         compute = _compute_dtype(x)
         xc, yc = x.to(compute), y.to(compute)
-        q, n = yc.shape[0], yc.shape[1]
         b = xc.shape[-2]
-        dev = xc.device
-        row_max = torch.full((q, b), float("-inf"), dtype=compute, device=dev)
-        row_sum = torch.zeros((q, b), dtype=compute, device=dev)
-        multi = row_ids is not None
-        symmetric = columns is not None
-        if multi:
-            row_pos = torch.zeros((q, b), dtype=compute, device=dev)
-            row_cnt = torch.zeros((q, b), dtype=compute, device=dev)
-        if symmetric:
-            col_lse = torch.empty((q, n), dtype=compute, device=dev)
-            if multi:
-                col_pos = torch.zeros((q, n), dtype=compute, device=dev)
-                col_cnt = torch.zeros((q, n), dtype=compute, device=dev)
-        for c0 in range(0, n, chunk):
-            c1 = min(n, c0 + chunk)
-            s = xc @ yc[:, c0:c1].mT  # (Q, b, c)
-            valid = _tile_valid(row_valid, col_valid, c0, c1)
-            if valid is not None:
-                s = s.masked_fill_(~valid, float("-inf"))
-            if multi:
-                pos = _positives(row_ids, col_ids, c0, c1)  # type: ignore[arg-type]
-                pos = pos if valid is None else pos & valid
-                pos_s = torch.where(pos, s, torch.zeros((), dtype=compute, device=dev))
-                row_pos += pos_s.sum(-1)
-                row_cnt += pos.sum(-1)
-                if symmetric:
-                    col_pos[:, c0:c1] = pos_s.sum(-2)
-                    col_cnt[:, c0:c1] = pos.sum(-2)
-                del pos_s
-            if symmetric:
-                col_lse[:, c0:c1] = s.logsumexp(-2)
-            new_max = torch.maximum(row_max, s.amax(-1))
-            safe = _finite_or_zero(new_max)
-            row_sum.mul_((row_max - safe).exp_()).add_(s.sub_(safe[..., None]).exp_().sum(-1))
-            row_max = new_max
-        row_lse = row_max.add_(row_sum.log_())  # -inf where a row has no valid column
-        if not multi:
-            pos_cols = yc[:, offset : offset + b]  # (Q, b, D)
-            row_pos = (xc * pos_cols).sum(-1)  # (Q, b)
+        ids = None if row_ids is None or col_ids is None else (row_ids, col_ids)
+        row_lse, row_pos, cols = _forward_statistics(
+            xc, yc, ids, row_valid, col_valid, chunk, columns is not None
+        )
+        if row_pos is None:  # the diagonal: one positive per row, <x_i, y_offset+i>
             row_cnt = None
-        row_weight = None if row_valid is None else row_valid.to(compute)
-        row_loss = row_lse - (row_pos if row_cnt is None else row_pos / row_cnt.clamp_min(1))
-        if row_weight is not None:
-            row_loss = torch.where(row_valid, row_loss, torch.zeros_like(row_loss))
-        if symmetric:
-            if gathered:
-                stats = torch.stack(
-                    [col_lse, col_pos, col_cnt] if multi else [col_lse]
-                ).contiguous()
-                parts = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
-                dist.all_gather(parts, stats)
-                every = torch.stack(parts)  # (world, 1 or 3, Q, N)
-                col_lse = every[:, 0].logsumexp(0)
-                if multi:
-                    col_pos, col_cnt = every[:, 1].sum(0), every[:, 2].sum(0)
-            start, stop = columns
-            if multi:
-                col_loss = col_lse[:, start:stop] - col_pos[:, start:stop] / col_cnt[
-                    :, start:stop
-                ].clamp_min(1)
-            else:  # diagonal: the positive of column offset + i is row i's
-                col_loss = col_lse[:, start:stop] - row_pos
-            if col_valid is not None:
-                v = col_valid[:, start:stop]
-                col_loss = torch.where(v, col_loss, torch.zeros_like(col_loss))
-            col_lse = _finite_or_zero(col_lse)
+            positive = (xc * yc[:, offset : offset + b]).sum(-1)  # (Q, b)
         else:
-            col_loss = row_loss.new_zeros((q, 0))
-            col_lse = col_cnt = None
+            row_cnt = row_pos[1]
+            positive = row_pos[0] / row_cnt.clamp_min(1)
+        row_loss = _where_valid(row_lse - positive, row_valid)
+        col_loss, col_stats = row_loss.new_zeros((row_loss.shape[0], 0)), None
+        if cols is not None and columns is not None:
+            col_stats = _combine_columns(cols, gathered)
+            start, stop = columns
+            part = col_stats[:, :, start:stop]
+            # the diagonal's positive of column offset + i is row i's
+            col_positive = positive if ids is None else part[1] / part[2].clamp_min(1)
+            v = None if col_valid is None else col_valid[:, start:stop]
+            col_loss = _where_valid(part[0] - col_positive, v)
+            col_stats[0] = _finite_or_zero(col_stats[0])
         ctx.save_for_backward(
-            x, y, _finite_or_zero(row_lse), row_cnt if multi else None, col_lse,
-            col_cnt if (multi and symmetric) else None, row_ids, col_ids, row_valid, col_valid,
+            x,
+            y,
+            _finite_or_zero(row_lse),
+            row_cnt,
+            col_stats,
+            row_ids,
+            col_ids,
+            row_valid,
+            col_valid,
         )
         ctx.meta = (offset, chunk, columns, gathered, compute)
         return row_loss.to(x.dtype), col_loss.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, g_row: Tensor, g_col: Tensor) -> tuple[Any, ...]:
-        (x, y, row_lse, row_cnt, col_lse, col_cnt, row_ids, col_ids, row_valid,
-         col_valid) = ctx.saved_tensors
+        (x, y, row_lse, row_cnt, col_stats, row_ids, col_ids, row_valid, col_valid) = (
+            ctx.saved_tensors
+        )
         offset, chunk, columns, gathered, compute = ctx.meta
         xc, yc = x.to(compute), y.to(compute)
         q, n = yc.shape[0], yc.shape[1]
-        b = xc.shape[-2]
         g_row = g_row.to(compute)
         if row_valid is not None:
             g_row = g_row * row_valid
@@ -347,7 +382,8 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 g_all = g_all * col_valid
         row_coef = g_row if not multi else g_row / row_cnt.clamp_min(1)  # positive weights
         if symmetric:
-            col_coef = g_all if not multi else g_all / col_cnt.clamp_min(1)
+            col_lse = col_stats[0]
+            col_coef = g_all if not multi else g_all / col_stats[2].clamp_min(1)
         grad_x = torch.zeros_like(xc) if ctx.needs_input_grad[0] else None
         grad_y = torch.empty_like(yc) if ctx.needs_input_grad[1] else None
         for c0 in range(0, n, chunk):
@@ -394,7 +430,7 @@ class _TiledSigmoid(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: Tensor,
         y: Tensor,
@@ -436,8 +472,14 @@ class _TiledSigmoid(torch.autograd.Function):
             grad_y[c0:c1] = d.T @ xs
         grad_scale = (grad_xs * xc).sum()  # sum_ij d_ij <x_i, y_j>
         return (
-            (grad_xs * sc).to(x.dtype), grad_y.to(y.dtype), grad_scale.to(scale.dtype),
-            grad_bias.to(bias.dtype), None, None, None, None,
+            (grad_xs * sc).to(x.dtype),
+            grad_y.to(y.dtype),
+            grad_scale.to(scale.dtype),
+            grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
         )
 
 
@@ -457,8 +499,14 @@ def _flip_positives(
 
 
 def _signed_logits(
-    xs: Tensor, y: Tensor, bias: Tensor, offset: int,
-    row_ids: Tensor | None, col_ids: Tensor | None, c0: int, c1: int,
+    xs: Tensor,
+    y: Tensor,
+    bias: Tensor,
+    offset: int,
+    row_ids: Tensor | None,
+    col_ids: Tensor | None,
+    c0: int,
+    c1: int,
 ) -> Tensor:
     """``-z * (xs @ y.T + bias)``: SigLIP's logits, positives negated, so that
     ``softplus`` of them is the loss without cancellation."""

@@ -143,7 +143,6 @@ def kcl(
         # input dtype (autograd casts the gradients back).
         a, t_raw, text_norms = a.float(), t_raw.float(), text_norms.float()
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
-    b, k_langs = t.shape[:2]
     a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
     if chunk_size is not None:
         a2t, t2a, offset, n_global, m_all = _tiled_pairs(a, t, m, negatives, enabled, chunk_size)
@@ -175,18 +174,32 @@ def _tiled_pairs(
     m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
     if negatives == "per_language":  # K problems: audio against language k's captions
         a2t_k, t2a_k = _TiledCrossEntropy.apply(
-            a, t_all.transpose(0, 1), offset, None, None,
-            None if m is None else m.T, None if m_all is None else m_all.T,
-            chunk_size, (offset, offset + b), enabled,
+            a,
+            t_all.transpose(0, 1),
+            offset,
+            None,
+            None,
+            None if m is None else m.T,
+            None if m_all is None else m_all.T,
+            chunk_size,
+            (offset, offset + b),
+            enabled,
         )  # (K, b) each
         return a2t_k.T, t2a_k.T, offset, n, m_all
     # One problem: audio against all N*K captions, its own K (present) positive.
     row_ids = torch.arange(offset, offset + b, device=a.device)
     col_ids = torch.arange(n, device=a.device).repeat_interleave(k_langs)
     a2t_r, t2a_c = _TiledCrossEntropy.apply(
-        a, t_all.reshape(1, n * k_langs, -1), offset, row_ids, col_ids,
-        None, None if m_all is None else m_all.reshape(1, -1),
-        chunk_size, (offset * k_langs, (offset + b) * k_langs), enabled,
+        a,
+        t_all.reshape(1, n * k_langs, -1),
+        offset,
+        row_ids,
+        col_ids,
+        None,
+        None if m_all is None else m_all.reshape(1, -1),
+        chunk_size,
+        (offset * k_langs, (offset + b) * k_langs),
+        enabled,
     )
     a2t = a2t_r[0][:, None].expand(-1, k_langs)
     t2a = t2a_c[0].reshape(b, k_langs)

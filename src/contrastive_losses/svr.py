@@ -145,7 +145,7 @@ def _tiled_radius_slope(
     col_mask: Tensor | None,
     chunk_size: int,
 ) -> Tensor:
-    """:func:`_radius_slope` from the tiled rows: with :math:`E_i = \sum_j P_{ij} a_j`
+    r""":func:`_radius_slope` from the tiled rows: with :math:`E_i = \sum_j P_{ij} a_j`
     (one tiled pass) the slope is :math:`\langle a_i - t_i, E_i - a_i\rangle / d_i`."""
     lse = rows + (support * y_pos).sum(-1)  # the rows' log-sum-exp
     mean = _tiled_softmax_mean(support, y, lse, col_mask, chunk_size)  # (Q, b, D)
@@ -319,8 +319,15 @@ def support_vector_term(
         )[0]  # (b,)
     else:
         per_row = _tiled_support_vector_rows(
-            x[None], y_all[None], y[None], _distance(x, y)[None], r, temperature, offset,
-            col_mask, chunk_size,
+            x[None],
+            y_all[None],
+            y[None],
+            _distance(x, y)[None],
+            r,
+            temperature,
+            offset,
+            col_mask,
+            chunk_size,
         )[0][0]
     batch = _batch(offset, y_all.shape[0], enabled)
     if mask is None:
