@@ -24,7 +24,6 @@ from ._common import (
     _reduce,
     _temperature,
     _TemperatureMixin,
-    _with_terms,
 )
 from .distributed import resolve_gather, validate_together
 
@@ -211,12 +210,10 @@ class CACLLoss(_TemperatureMixin):
         gather: bool | None = None,
     ) -> None:
         super().__init__()
-        _checks.check_reduction(reduction)
-        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
+        self._init_loss(
+            temperature, learnable_temperature, max_logit_scale, normalize, reduction, gather
+        )
         self.english_index = _checks.check_int(english_index, "english_index", 0)
-        self.normalize = normalize
-        self.reduction = reduction
-        self.gather = gather
 
     def triplet(
         self,
@@ -305,18 +302,7 @@ class CACLLoss(_TemperatureMixin):
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         a, e, o = self.triplet(audio, english_or_text, other, mask=mask, generator=generator)
-        temperature = self.temperature
-        out = cacl(
-            a,
-            e,
-            o,
-            temperature,
-            normalize=self.normalize,
-            reduction=self.reduction,
-            gather=self.gather,
-            return_terms=return_terms,
-        )
-        return _with_terms(out, return_terms, temperature=temperature)
+        return self._loss(cacl, a, e, o, return_terms=return_terms)
 
     def contrastive_pairs(
         self,
