@@ -12,8 +12,9 @@ re-exported by :mod:`contrastive_losses.losses` and :mod:`contrastive_losses.fun
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +210,42 @@ class _TemperatureMixin(nn.Module):
             self.log_logit_scale = nn.Parameter(log_scale)
         else:
             self.register_buffer("log_logit_scale", log_scale)
+
+    def _init_loss(
+        self,
+        temperature: float,
+        learnable: bool,
+        max_logit_scale: float,
+        normalize: bool,
+        reduction: str,
+        gather: bool | None,
+        chunk_size: int | None,
+    ) -> None:
+        """The settings every temperature-scaled loss Module holds, checked."""
+        _checks.check_reduction(reduction)
+        self._init_temperature(temperature, learnable, max_logit_scale)
+        self.normalize = normalize
+        self.reduction = reduction
+        self.gather = gather
+        self.chunk_size = _checks.check_chunk_size(chunk_size)
+
+    def _loss(
+        self, fn: Callable[..., Any], *args: Any, return_terms: bool, **kwargs: Any
+    ) -> Tensor | tuple[Tensor, Terms]:
+        """``fn(*args, temperature, ...)`` with this Module's settings; ``terms`` also
+        get the current temperature."""
+        temperature = self.temperature
+        out = fn(
+            *args,
+            temperature,
+            normalize=self.normalize,
+            reduction=self.reduction,
+            gather=self.gather,
+            return_terms=return_terms,
+            chunk_size=self.chunk_size,
+            **kwargs,
+        )
+        return _with_terms(out, return_terms, temperature=temperature)
 
     @property
     def temperature(self) -> Tensor:

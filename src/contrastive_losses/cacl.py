@@ -24,7 +24,6 @@ from ._common import (
     _reduce,
     _temperature,
     _TemperatureMixin,
-    _with_terms,
 )
 from .distributed import resolve_gather, validate_together
 
@@ -216,13 +215,16 @@ class CACLLoss(_TemperatureMixin):
         chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        _checks.check_reduction(reduction)
-        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
+        self._init_loss(
+            temperature,
+            learnable_temperature,
+            max_logit_scale,
+            normalize,
+            reduction,
+            gather,
+            chunk_size,
+        )
         self.english_index = _checks.check_int(english_index, "english_index", 0)
-        self.normalize = normalize
-        self.reduction = reduction
-        self.gather = gather
-        self.chunk_size = _checks.check_chunk_size(chunk_size)
 
     def triplet(
         self,
@@ -311,19 +313,7 @@ class CACLLoss(_TemperatureMixin):
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         a, e, o = self.triplet(audio, english_or_text, other, mask=mask, generator=generator)
-        temperature = self.temperature
-        out = cacl(
-            a,
-            e,
-            o,
-            temperature,
-            normalize=self.normalize,
-            reduction=self.reduction,
-            gather=self.gather,
-            return_terms=return_terms,
-            chunk_size=self.chunk_size,
-        )
-        return _with_terms(out, return_terms, temperature=temperature)
+        return self._loss(cacl, a, e, o, return_terms=return_terms)
 
     def contrastive_pairs(
         self,

@@ -20,7 +20,6 @@ from ._common import (
     _reduce,
     _temperature,
     _TemperatureMixin,
-    _with_terms,
 )
 from .distributed import resolve_gather, validate_together
 
@@ -128,12 +127,15 @@ class InfoNCELoss(_TemperatureMixin):
         chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        _checks.check_reduction(reduction)
-        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
-        self.normalize = normalize
-        self.reduction = reduction
-        self.gather = gather
-        self.chunk_size = _checks.check_chunk_size(chunk_size)
+        self._init_loss(
+            temperature,
+            learnable_temperature,
+            max_logit_scale,
+            normalize,
+            reduction,
+            gather,
+            chunk_size,
+        )
 
     def forward(
         self,
@@ -143,19 +145,7 @@ class InfoNCELoss(_TemperatureMixin):
         *,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        temperature = self.temperature
-        out = info_nce(
-            audio,
-            text,
-            temperature,
-            ids=ids,
-            normalize=self.normalize,
-            reduction=self.reduction,
-            gather=self.gather,
-            return_terms=return_terms,
-            chunk_size=self.chunk_size,
-        )
-        return _with_terms(out, return_terms, temperature=temperature)
+        return self._loss(info_nce, audio, text, ids=ids, return_terms=return_terms)
 
     def contrastive_pairs(
         self, audio: Tensor, text: Tensor, ids: Tensor | None = None

@@ -8,6 +8,8 @@ language's captions in the batch (ATRI, default) or every caption of every langu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -26,7 +28,6 @@ from ._common import (
     _reduce,
     _temperature,
     _TemperatureMixin,
-    _with_terms,
 )
 from ._kernels import (
     _NormalizedRowsMatmul,
@@ -153,12 +154,13 @@ def kcl(
     t_all, _ = _gather(t, enabled)
     m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
     batch = _batch(offset, a_all.shape[0], enabled)
+    glob = _Global(a_all, t_all, m_all, offset)
     if negatives == "per_language" and enabled:
-        a2t, t2a = _per_language_gathered(a, t, a_all, t_all, m, m_all, offset)
+        a2t, t2a = _per_language_gathered(a, t, m, glob)
     elif negatives == "per_language":
         a2t, t2a = _per_language_local(a, t, m, text_norms if fused else None)
     else:
-        a2t, t2a = _all_languages(a, t, a_all, t_all, m, m_all, offset)
+        a2t, t2a = _all_languages(a, t, m, glob)
 
     return _kcl_reduce(a2t, t2a, m_all, batch, reduction, return_terms, out_dtype)
 
@@ -233,18 +235,24 @@ def _kcl_reduce(
     return _finish(loss, {k: v.to(out_dtype) for k, v in terms.items()}, return_terms)
 
 
+class _Global(NamedTuple):
+    """The global batch this rank's rows are contrasted with: audio ``(N, D)`` (divided
+    by the temperature), captions ``(N, K, D)``, their mask ``(N, K)`` and this rank's
+    first row."""
+
+    a_all: Tensor
+    t_all: Tensor
+    m_all: Tensor | None
+    offset: int
+
+
 def _per_language_gathered(
-    a: Tensor,
-    t: Tensor,
-    a_all: Tensor,
-    t_all: Tensor,
-    m: Tensor | None,
-    m_all: Tensor | None,
-    offset: int,
+    a: Tensor, t: Tensor, m: Tensor | None, glob: _Global
 ) -> tuple[Tensor, Tensor]:
     """Eq. 9-10 under gather: this rank's ``(b, K)`` a->t and t->a losses, each row
     against the global batch of its language; ``a`` is already divided by the
     temperature."""
+    a_all, t_all, m_all, offset = glob
     b, k_langs, dim = t.shape
     row_mask = None if m is None else m.T  # (K, b)
     col_mask = None if m_all is None else m_all.T  # (K, N)
@@ -283,18 +291,11 @@ def _per_language_local(
     return a2t_k.T, t2a_k.T  # (B, K)
 
 
-def _all_languages(
-    a: Tensor,
-    t: Tensor,
-    a_all: Tensor,
-    t_all: Tensor,
-    m: Tensor | None,
-    m_all: Tensor | None,
-    offset: int,
-) -> tuple[Tensor, Tensor]:
+def _all_languages(a: Tensor, t: Tensor, m: Tensor | None, glob: _Global) -> tuple[Tensor, Tensor]:
     """``negatives="all_languages"`` (Nie et al. 2024): each audio against all ``N*K``
     captions, its own K positive; each caption against all ``N`` audios. ``(b, K)`` each,
     the a->t loss repeated over the clip's languages; 0 at absent captions."""
+    a_all, t_all, m_all, offset = glob
     b, k_langs, dim = t.shape
     a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
     own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)
@@ -350,13 +351,16 @@ class KCLLoss(_TemperatureMixin):
     ) -> None:
         super().__init__()
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
-        _checks.check_reduction(reduction)
-        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
+        self._init_loss(
+            temperature,
+            learnable_temperature,
+            max_logit_scale,
+            normalize,
+            reduction,
+            gather,
+            chunk_size,
+        )
         self.negatives = negatives
-        self.normalize = normalize
-        self.reduction = reduction
-        self.gather = gather
-        self.chunk_size = _checks.check_chunk_size(chunk_size)
 
     def forward(
         self,
@@ -366,20 +370,9 @@ class KCLLoss(_TemperatureMixin):
         *,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        temperature = self.temperature
-        out = kcl(
-            audio,
-            text,
-            temperature,
-            mask=mask,
-            negatives=self.negatives,
-            normalize=self.normalize,
-            reduction=self.reduction,
-            gather=self.gather,
-            return_terms=return_terms,
-            chunk_size=self.chunk_size,
+        return self._loss(
+            kcl, audio, text, mask=mask, negatives=self.negatives, return_terms=return_terms
         )
-        return _with_terms(out, return_terms, temperature=temperature)
 
     def contrastive_pairs(
         self, audio: Tensor, text: Tensor, mask: Tensor | None = None
