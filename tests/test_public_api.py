@@ -94,12 +94,20 @@ SIGNATURES = {
     "'int' = 50, detach_plan: 'bool' = True, normalize: 'bool' "
     "= True, reduction: 'str' = 'mean', gather: 'bool | None' = "
     "None) -> 'None'",
-    "contrastive_losses.CACLLoss": "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
+    "contrastive_losses.CACLLoss": "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, "
+    "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
+    "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+    "None, chunk_size: 'int | None' = None) -> 'None'",
     "contrastive_losses.ContrastivePair": "(audio: ForwardRef('Tensor'), text: "
     "ForwardRef('Tensor'), mask: ForwardRef('Tensor | "
     "None') = None)",
-    "contrastive_losses.InfoNCELoss": "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.KCLLoss": "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
+    "contrastive_losses.InfoNCELoss": "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
+    "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
+    "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
+    "contrastive_losses.KCLLoss": "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
+    "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
+    "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+    "None, chunk_size: 'int | None' = None) -> 'None'",
     "contrastive_losses.KnowledgeBank": "(dim: 'int', backend: 'str' = 'auto', "
     "num_prototypes: 'int' = 512, *, dtype: 'torch.dtype' "
     "= torch.float32, index: 'str' = 'flat', nlist: 'int "
@@ -108,7 +116,9 @@ SIGNATURES = {
     "0, chunk_size: 'int' = 65536) -> 'None'",
     "contrastive_losses.RadiusPredictor": "(num_features: 'int' = 32, hidden: 'int' = 64, "
     "radius_init: 'float' = 0.1) -> 'None'",
-    "contrastive_losses.SigLIPLoss": "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
+    "contrastive_losses.SigLIPLoss": "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = "
+    "True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None'"
+    " = None, chunk_size: 'int | None' = None) -> 'None'",
     "contrastive_losses.SupportVectorRegularizer": "(base: 'nn.Module', radius: 'str | float' "
     "= 'dynamic', direction: 'str' = 'bi', "
     "alpha: 'float' = 1.0, beta: 'float' = "
@@ -158,9 +168,19 @@ SIGNATURES = {
     "'bool' = True, reduction: 'str' = 'mean', "
     "return_terms: 'bool' = False) -> 'Tensor | "
     "tuple[Tensor, dict[str, Tensor]]'",
-    "contrastive_losses.functional.cacl": "(audio: 'Tensor', english: 'Tensor', other: 'Tensor', temperature: 'float | Tensor' = 0.07, *, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Terms]'",
-    "contrastive_losses.functional.info_nce": "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Terms]'",
-    "contrastive_losses.functional.kcl": "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, mask: 'Tensor | None' = None, negatives: 'str' = 'per_language', normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Terms]'",
+    "contrastive_losses.functional.cacl": "(audio: 'Tensor', english: 'Tensor', other: 'Tensor', temperature: 'float | "
+    "Tensor' = 0.07, *, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: "
+    "'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = "
+    "None) -> 'Tensor | tuple[Tensor, Terms]'",
+    "contrastive_losses.functional.info_nce": "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, ids: "
+    "'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = 'mean', "
+    "gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | "
+    "None' = None) -> 'Tensor | tuple[Tensor, Terms]'",
+    "contrastive_losses.functional.kcl": "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, mask:"
+    " 'Tensor | None' = None, negatives: 'str' = 'per_language', normalize: 'bool' = "
+    "True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: "
+    "'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, "
+    "Terms]'",
     "contrastive_losses.functional.l2_normalize": "(x: 'Tensor', norms: 'Tensor | None' = "
     "None) -> 'Tensor'",
     "contrastive_losses.functional.sample_languages": "(mask_or_num_languages: 'Tensor | "
@@ -169,19 +189,35 @@ SIGNATURES = {
     "= None, english_index: 'int' = 0, "
     "include_english: 'bool' = False) -> "
     "'Tensor'",
-    "contrastive_losses.functional.siglip": "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float | Tensor' = -10.0, *, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Terms]'",
+    "contrastive_losses.functional.siglip": "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float |"
+    " Tensor' = -10.0, *, ids: 'Tensor | None' = None, normalize: 'bool' = True, "
+    "reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = "
+    "False, chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Terms]'",
     "contrastive_losses.functional.sinkhorn": "(scores: 'Tensor', epsilon: 'float' = 0.05, "
     "max_iter: 'int' = 100, tol: 'float | None' = "
     "None, *, method: 'str' = 'auto', check_every: "
     "'int' = 10) -> 'Tensor'",
-    "contrastive_losses.functional.support_vector_term": "(anchor: 'Tensor', candidates: 'Tensor', radius: 'float | Tensor', temperature: 'float | Tensor' = 0.07, *, normalize: 'bool' = True, mask: 'Tensor | None' = None, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'Tensor'",
-    "contrastive_losses.losses.CACLLoss": "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
+    "contrastive_losses.functional.support_vector_term": "(anchor: 'Tensor', candidates: 'Tensor', radius: 'float | Tensor', temperature: "
+    "'float | Tensor' = 0.07, *, normalize: 'bool' = True, mask: 'Tensor | None' = "
+    "None, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int "
+    "| None' = None) -> 'Tensor'",
+    "contrastive_losses.losses.CACLLoss": "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, "
+    "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
+    "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+    "None, chunk_size: 'int | None' = None) -> 'None'",
     "contrastive_losses.losses.ContrastivePair": "(audio: ForwardRef('Tensor'), text: "
     "ForwardRef('Tensor'), mask: "
     "ForwardRef('Tensor | None') = None)",
-    "contrastive_losses.losses.InfoNCELoss": "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.losses.KCLLoss": "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.losses.SigLIPLoss": "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
+    "contrastive_losses.losses.InfoNCELoss": "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
+    "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
+    "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
+    "contrastive_losses.losses.KCLLoss": "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
+    "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
+    "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+    "None, chunk_size: 'int | None' = None) -> 'None'",
+    "contrastive_losses.losses.SigLIPLoss": "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = "
+    "True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None'"
+    " = None, chunk_size: 'int | None' = None) -> 'None'",
     "contrastive_losses.metrics.audio_text_retrieval": "(audio: 'Tensor', text: 'Tensor', *, "
     "k: 'Sequence[int]' = (1, 5, 10), "
     "map_k: 'int' = 10, denominator: 'str' "
