@@ -86,178 +86,200 @@ SUBMODULES = [
 ]
 
 SIGNATURES = {
-    "contrastive_losses.ASKLoss": "(bank: 'KnowledgeBank', k: 'int' = 10, injection_ratio: "
-    "'float' = 0.2, ot_weight: 'float' = 0.2, lambda_fine: "
-    "'float' = 0.2, lambda_coarse: 'float' = 0.3, epsilon: "
-    "'float' = 0.05, temperature: 'float' = 0.07, *, k_coarse: "
-    "'int' = 10, use_coarse: 'bool' = True, sinkhorn_iters: "
-    "'int' = 50, detach_plan: 'bool' = True, normalize: 'bool' "
-    "= True, reduction: 'str' = 'mean', gather: 'bool | None' = "
-    "None) -> 'None'",
-    "contrastive_losses.CACLLoss": "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, "
-    "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
-    "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
-    "None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.ContrastivePair": "(audio: ForwardRef('Tensor'), text: "
-    "ForwardRef('Tensor'), mask: ForwardRef('Tensor | "
-    "None') = None)",
-    "contrastive_losses.InfoNCELoss": "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
-    "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
-    "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.KCLLoss": "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
-    "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
-    "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
-    "None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.KnowledgeBank": "(dim: 'int', backend: 'str' = 'auto', "
-    "num_prototypes: 'int' = 512, *, dtype: 'torch.dtype' "
-    "= torch.float32, index: 'str' = 'flat', nlist: 'int "
-    "| None' = None, nprobe: 'int' = 16, kmeans_iters: "
-    "'int' = 20, refresh_every: 'int' = 15, seed: 'int' = "
-    "0, chunk_size: 'int' = 65536) -> 'None'",
-    "contrastive_losses.RadiusPredictor": "(num_features: 'int' = 32, hidden: 'int' = 64, "
-    "radius_init: 'float' = 0.1) -> 'None'",
-    "contrastive_losses.SigLIPLoss": "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = "
-    "True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None'"
-    " = None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.SupportVectorRegularizer": "(base: 'nn.Module', radius: 'str | float' "
-    "= 'dynamic', direction: 'str' = 'bi', "
-    "alpha: 'float' = 1.0, beta: 'float' = "
-    "0.01, constraint: 'bool | None' = None, "
-    "radius_init: 'float' = 0.1, num_features: "
-    "'int' = 32, hidden: 'int' = 64, "
-    "temperature: 'float | None' = None) -> "
-    "'None'",
-    "contrastive_losses.diagnostics.Forces": "(pull: ForwardRef('Tensor'), push: "
-    "ForwardRef('Tensor'), direction: "
-    "ForwardRef('Tensor'), push_parallel: "
-    "ForwardRef('Tensor'), push_perpendicular: "
-    "ForwardRef('Tensor'), negative_parallel: "
-    "ForwardRef('Tensor'), negative_perpendicular: "
-    "ForwardRef('Tensor'), distance: "
-    "ForwardRef('Tensor'), radius: "
-    "ForwardRef('Tensor | None'))",
-    "contrastive_losses.diagnostics.force_decomposition": "(anchor: 'Tensor', candidates: "
-    "'Tensor', temperature: 'float | "
-    "Tensor', radius: 'float | Tensor | "
-    "None' = None, *, normalize: 'bool' "
-    "= True, mask: 'Tensor | None' = "
-    "None) -> 'Forces'",
-    "contrastive_losses.diagnostics.out_of_batch_influence": "(loss_fn: 'Callable[..., "
-    "Tensor]', *args: 'Any', "
-    "outside: 'Tensor | "
-    "Sequence[Tensor]', reduction: "
-    "'str' = 'none', **kwargs: "
-    "'Any') -> 'Tensor'",
-    "contrastive_losses.diagnostics.representation_drift_mismatch": "(current: 'Tensor', "
-    "stale: 'Tensor', *, "
-    "metric: 'str' = "
-    "'cosine', reduction: "
-    "'str' = 'mean') -> "
-    "'Tensor'",
-    "contrastive_losses.diagnostics.trajectory_drift": "(update: 'Tensor', pull: 'Tensor', *, "
-    "eps: 'float' = 1e-12) -> 'Tensor'",
-    "contrastive_losses.functional.ask": "(audio: 'Tensor', text: 'Tensor', fine_audio: "
-    "'Tensor', fine_text: 'Tensor', coarse_audio: "
-    "'Tensor | None' = None, coarse_text: 'Tensor | "
-    "None' = None, *, injection_ratio: 'float' = 0.2, "
-    "ot_weight: 'float' = 0.2, lambda_fine: 'float' = "
-    "0.2, lambda_coarse: 'float' = 0.3, epsilon: 'float' "
-    "= 0.05, temperature: 'float' = 0.07, "
-    "sinkhorn_iters: 'int' = 50, detach_plan: 'bool' = "
-    "True, plan: 'Tensor | None' = None, normalize: "
-    "'bool' = True, reduction: 'str' = 'mean', "
-    "return_terms: 'bool' = False) -> 'Tensor | "
-    "tuple[Tensor, dict[str, Tensor]]'",
-    "contrastive_losses.functional.cacl": "(audio: 'Tensor', english: 'Tensor', other: 'Tensor', temperature: 'float | "
-    "Tensor' = 0.07, *, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: "
-    "'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = "
-    "None) -> 'Tensor | tuple[Tensor, Terms]'",
-    "contrastive_losses.functional.info_nce": "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, ids: "
-    "'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = 'mean', "
-    "gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | "
-    "None' = None) -> 'Tensor | tuple[Tensor, Terms]'",
-    "contrastive_losses.functional.kcl": "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, mask:"
-    " 'Tensor | None' = None, negatives: 'str' = 'per_language', normalize: 'bool' = "
-    "True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: "
-    "'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, "
-    "Terms]'",
-    "contrastive_losses.functional.l2_normalize": "(x: 'Tensor', norms: 'Tensor | None' = "
-    "None) -> 'Tensor'",
-    "contrastive_losses.functional.sample_languages": "(mask_or_num_languages: 'Tensor | "
-    "int', batch_size: 'int | None' = None, "
-    "*, generator: 'torch.Generator | None' "
-    "= None, english_index: 'int' = 0, "
-    "include_english: 'bool' = False) -> "
-    "'Tensor'",
-    "contrastive_losses.functional.siglip": "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float |"
-    " Tensor' = -10.0, *, ids: 'Tensor | None' = None, normalize: 'bool' = True, "
-    "reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = "
-    "False, chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Terms]'",
-    "contrastive_losses.functional.sinkhorn": "(scores: 'Tensor', epsilon: 'float' = 0.05, "
-    "max_iter: 'int' = 100, tol: 'float | None' = "
-    "None, *, method: 'str' = 'auto', check_every: "
-    "'int' = 10) -> 'Tensor'",
-    "contrastive_losses.functional.support_vector_term": "(anchor: 'Tensor', candidates: 'Tensor', radius: 'float | Tensor', temperature: "
-    "'float | Tensor' = 0.07, *, normalize: 'bool' = True, mask: 'Tensor | None' = "
-    "None, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int "
-    "| None' = None) -> 'Tensor'",
-    "contrastive_losses.losses.CACLLoss": "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, "
-    "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
-    "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
-    "None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.losses.ContrastivePair": "(audio: ForwardRef('Tensor'), text: "
-    "ForwardRef('Tensor'), mask: "
-    "ForwardRef('Tensor | None') = None)",
-    "contrastive_losses.losses.InfoNCELoss": "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
-    "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
-    "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.losses.KCLLoss": "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
-    "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
-    "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
-    "None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.losses.SigLIPLoss": "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = "
-    "True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None'"
-    " = None, chunk_size: 'int | None' = None) -> 'None'",
-    "contrastive_losses.metrics.audio_text_retrieval": "(audio: 'Tensor', text: 'Tensor', *, "
-    "k: 'Sequence[int]' = (1, 5, 10), "
-    "map_k: 'int' = 10, denominator: 'str' "
-    "= 'n_relevant', normalize: 'bool' = "
-    "True, chunk_size: 'int | None' = "
-    "None) -> 'dict[str, dict[str, "
-    "float]]'",
-    "contrastive_losses.metrics.embedding_distance": "(text: 'Tensor', anchor: 'int' = 0, *, "
-    "normalize: 'bool' = True) -> 'Tensor'",
-    "contrastive_losses.metrics.embedding_gap": "(text: 'Tensor', anchor: 'int' = 0, *, "
-    "normalize: 'bool' = True) -> 'Tensor'",
-    "contrastive_losses.metrics.map_at_k": "(sim: 'Tensor', relevance: 'Tensor | None' = "
-    "None, *, query_ids: 'Tensor | None' = None, "
-    "gallery_ids: 'Tensor | None' = None, k: 'int' = "
-    "10, denominator: 'str' = 'n_relevant', "
-    "chunk_size: 'int | None' = None) -> 'float'",
+    "contrastive_losses.ASKLoss": (
+        "(bank: 'KnowledgeBank', k: 'int' = 10, injection_ratio: 'float' = 0.2, "
+        "ot_weight: 'float' = 0.2, lambda_fine: 'float' = 0.2, lambda_coarse: 'float'"
+        " = 0.3, epsilon: 'float' = 0.05, temperature: 'float' = 0.07, *, k_coarse: "
+        "'int' = 10, use_coarse: 'bool' = True, sinkhorn_iters: 'int' = 50, "
+        "detach_plan: 'bool' = True, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.CACLLoss": (
+        "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, "
+        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
+        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' ="
+        " None, chunk_size: 'int | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.ContrastivePair": (
+        "(audio: ForwardRef('Tensor'), text: ForwardRef('Tensor'), mask: "
+        "ForwardRef('Tensor | None') = None)"
+    ),
+    "contrastive_losses.InfoNCELoss": (
+        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
+        "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str'"
+        " = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) ->"
+        " 'None'"
+    ),
+    "contrastive_losses.KCLLoss": (
+        "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
+        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
+        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' ="
+        " None, chunk_size: 'int | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.KnowledgeBank": (
+        "(dim: 'int', backend: 'str' = 'auto', num_prototypes: 'int' = 512, *, dtype:"
+        " 'torch.dtype' = torch.float32, index: 'str' = 'flat', nlist: 'int | None' ="
+        " None, nprobe: 'int' = 16, kmeans_iters: 'int' = 20, refresh_every: 'int' = "
+        "15, seed: 'int' = 0, chunk_size: 'int' = 65536) -> 'None'"
+    ),
+    "contrastive_losses.RadiusPredictor": (
+        "(num_features: 'int' = 32, hidden: 'int' = 64, radius_init: 'float' = 0.1) -> 'None'"
+    ),
+    "contrastive_losses.SigLIPLoss": (
+        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: "
+        "'bool' = True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: "
+        "'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.SupportVectorRegularizer": (
+        "(base: 'nn.Module', radius: 'str | float' = 'dynamic', direction: 'str' = "
+        "'bi', alpha: 'float' = 1.0, beta: 'float' = 0.01, constraint: 'bool | None' "
+        "= None, radius_init: 'float' = 0.1, num_features: 'int' = 32, hidden: 'int' "
+        "= 64, temperature: 'float | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.diagnostics.Forces": (
+        "(pull: ForwardRef('Tensor'), push: ForwardRef('Tensor'), direction: "
+        "ForwardRef('Tensor'), push_parallel: ForwardRef('Tensor'), "
+        "push_perpendicular: ForwardRef('Tensor'), negative_parallel: "
+        "ForwardRef('Tensor'), negative_perpendicular: ForwardRef('Tensor'), "
+        "distance: ForwardRef('Tensor'), radius: ForwardRef('Tensor | None'))"
+    ),
+    "contrastive_losses.diagnostics.force_decomposition": (
+        "(anchor: 'Tensor', candidates: 'Tensor', temperature: 'float | Tensor', "
+        "radius: 'float | Tensor | None' = None, *, normalize: 'bool' = True, mask: "
+        "'Tensor | None' = None) -> 'Forces'"
+    ),
+    "contrastive_losses.diagnostics.out_of_batch_influence": (
+        "(loss_fn: 'Callable[..., Tensor]', *args: 'Any', outside: 'Tensor | "
+        "Sequence[Tensor]', reduction: 'str' = 'none', **kwargs: 'Any') -> 'Tensor'"
+    ),
+    "contrastive_losses.diagnostics.representation_drift_mismatch": (
+        "(current: 'Tensor', stale: 'Tensor', *, metric: 'str' = 'cosine', reduction:"
+        " 'str' = 'mean') -> 'Tensor'"
+    ),
+    "contrastive_losses.diagnostics.trajectory_drift": (
+        "(update: 'Tensor', pull: 'Tensor', *, eps: 'float' = 1e-12) -> 'Tensor'"
+    ),
+    "contrastive_losses.functional.ask": (
+        "(audio: 'Tensor', text: 'Tensor', fine_audio: 'Tensor', fine_text: 'Tensor',"
+        " coarse_audio: 'Tensor | None' = None, coarse_text: 'Tensor | None' = None, "
+        "*, injection_ratio: 'float' = 0.2, ot_weight: 'float' = 0.2, lambda_fine: "
+        "'float' = 0.2, lambda_coarse: 'float' = 0.3, epsilon: 'float' = 0.05, "
+        "temperature: 'float' = 0.07, sinkhorn_iters: 'int' = 50, detach_plan: 'bool'"
+        " = True, plan: 'Tensor | None' = None, normalize: 'bool' = True, reduction: "
+        "'str' = 'mean', return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
+        "dict[str, Tensor]]'"
+    ),
+    "contrastive_losses.functional.cacl": (
+        "(audio: 'Tensor', english: 'Tensor', other: 'Tensor', temperature: 'float | "
+        "Tensor' = 0.07, *, normalize: 'bool' = True, reduction: 'str' = 'mean', "
+        "gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int"
+        " | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+    ),
+    "contrastive_losses.functional.info_nce": (
+        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
+        "ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, "
+        "chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+    ),
+    "contrastive_losses.functional.kcl": (
+        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
+        "mask: 'Tensor | None' = None, negatives: 'str' = 'per_language', normalize: "
+        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
+        "return_terms: 'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | "
+        "tuple[Tensor, Terms]'"
+    ),
+    "contrastive_losses.functional.l2_normalize": (
+        "(x: 'Tensor', norms: 'Tensor | None' = None) -> 'Tensor'"
+    ),
+    "contrastive_losses.functional.sample_languages": (
+        "(mask_or_num_languages: 'Tensor | int', batch_size: 'int | None' = None, *, "
+        "generator: 'torch.Generator | None' = None, english_index: 'int' = 0, "
+        "include_english: 'bool' = False) -> 'Tensor'"
+    ),
+    "contrastive_losses.functional.siglip": (
+        "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: "
+        "'float | Tensor' = -10.0, *, ids: 'Tensor | None' = None, normalize: 'bool' "
+        "= True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
+        "return_terms: 'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | "
+        "tuple[Tensor, Terms]'"
+    ),
+    "contrastive_losses.functional.sinkhorn": (
+        "(scores: 'Tensor', epsilon: 'float' = 0.05, max_iter: 'int' = 100, tol: "
+        "'float | None' = None, *, method: 'str' = 'auto', check_every: 'int' = 10) "
+        "-> 'Tensor'"
+    ),
+    "contrastive_losses.functional.support_vector_term": (
+        "(anchor: 'Tensor', candidates: 'Tensor', radius: 'float | Tensor', "
+        "temperature: 'float | Tensor' = 0.07, *, normalize: 'bool' = True, mask: "
+        "'Tensor | None' = None, reduction: 'str' = 'mean', gather: 'bool | None' = "
+        "None, chunk_size: 'int | None' = None) -> 'Tensor'"
+    ),
+    "contrastive_losses.losses.CACLLoss": (
+        "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, "
+        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
+        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' ="
+        " None, chunk_size: 'int | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.losses.ContrastivePair": (
+        "(audio: ForwardRef('Tensor'), text: ForwardRef('Tensor'), mask: "
+        "ForwardRef('Tensor | None') = None)"
+    ),
+    "contrastive_losses.losses.InfoNCELoss": (
+        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
+        "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str'"
+        " = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) ->"
+        " 'None'"
+    ),
+    "contrastive_losses.losses.KCLLoss": (
+        "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
+        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
+        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' ="
+        " None, chunk_size: 'int | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.losses.SigLIPLoss": (
+        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: "
+        "'bool' = True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: "
+        "'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.metrics.audio_text_retrieval": (
+        "(audio: 'Tensor', text: 'Tensor', *, k: 'Sequence[int]' = (1, 5, 10), map_k:"
+        " 'int' = 10, denominator: 'str' = 'n_relevant', normalize: 'bool' = True, "
+        "chunk_size: 'int | None' = None) -> 'dict[str, dict[str, float]]'"
+    ),
+    "contrastive_losses.metrics.embedding_distance": (
+        "(text: 'Tensor', anchor: 'int' = 0, *, normalize: 'bool' = True) -> 'Tensor'"
+    ),
+    "contrastive_losses.metrics.embedding_gap": (
+        "(text: 'Tensor', anchor: 'int' = 0, *, normalize: 'bool' = True) -> 'Tensor'"
+    ),
+    "contrastive_losses.metrics.map_at_k": (
+        "(sim: 'Tensor', relevance: 'Tensor | None' = None, *, query_ids: 'Tensor | "
+        "None' = None, gallery_ids: 'Tensor | None' = None, k: 'int' = 10, "
+        "denominator: 'str' = 'n_relevant', chunk_size: 'int | None' = None) -> "
+        "'float'"
+    ),
     "contrastive_losses.metrics.mean_rank_variance": "(ranks: 'Tensor') -> 'float'",
-    "contrastive_losses.metrics.recall_at_k": "(sim: 'Tensor', relevance: 'Tensor | None' = "
-    "None, *, query_ids: 'Tensor | None' = None, "
-    "gallery_ids: 'Tensor | None' = None, k: 'int | "
-    "Sequence[int]' = (1, 5, 10), chunk_size: 'int "
-    "| None' = None) -> 'float | dict[int, float]'",
-    "contrastive_losses.metrics.retrieval_ranks": "(sim: 'Tensor', relevance: 'Tensor | None' "
-    "= None, *, query_ids: 'Tensor | None' = "
-    "None, gallery_ids: 'Tensor | None' = None, "
-    "chunk_size: 'int | None' = None) -> "
-    "'Tensor'",
-    "contrastive_losses.metrics.retrieval_report": "(audio: 'Tensor', text: 'Tensor', "
-    "languages: 'Sequence[str] | None' = None, "
-    "*, anchor: 'int | str' = 0, k: "
-    "'Sequence[int]' = (1, 5, 10), map_k: "
-    "'int' = 10, denominator: 'str' = "
-    "'n_relevant', normalize: 'bool' = True, "
-    "chunk_size: 'int | None' = None) -> "
-    "'RetrievalReport'",
-    "contrastive_losses.sample_languages": "(mask_or_num_languages: 'Tensor | int', "
-    "batch_size: 'int | None' = None, *, generator: "
-    "'torch.Generator | None' = None, english_index: "
-    "'int' = 0, include_english: 'bool' = False) -> "
-    "'Tensor'",
+    "contrastive_losses.metrics.recall_at_k": (
+        "(sim: 'Tensor', relevance: 'Tensor | None' = None, *, query_ids: 'Tensor | "
+        "None' = None, gallery_ids: 'Tensor | None' = None, k: 'int | Sequence[int]' "
+        "= (1, 5, 10), chunk_size: 'int | None' = None) -> 'float | dict[int, float]'"
+    ),
+    "contrastive_losses.metrics.retrieval_ranks": (
+        "(sim: 'Tensor', relevance: 'Tensor | None' = None, *, query_ids: 'Tensor | "
+        "None' = None, gallery_ids: 'Tensor | None' = None, chunk_size: 'int | None' "
+        "= None) -> 'Tensor'"
+    ),
+    "contrastive_losses.metrics.retrieval_report": (
+        "(audio: 'Tensor', text: 'Tensor', languages: 'Sequence[str] | None' = None, "
+        "*, anchor: 'int | str' = 0, k: 'Sequence[int]' = (1, 5, 10), map_k: 'int' = "
+        "10, denominator: 'str' = 'n_relevant', normalize: 'bool' = True, chunk_size:"
+        " 'int | None' = None) -> 'RetrievalReport'"
+    ),
+    "contrastive_losses.sample_languages": (
+        "(mask_or_num_languages: 'Tensor | int', batch_size: 'int | None' = None, *, "
+        "generator: 'torch.Generator | None' = None, english_index: 'int' = 0, "
+        "include_english: 'bool' = False) -> 'Tensor'"
+    ),
 }
 
 
