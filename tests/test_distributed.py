@@ -12,8 +12,15 @@ import torch
 import torch.distributed as dist
 from helpers import assert_ddp_average_matches, init_gloo, rank_data, rank_rows, spawn_ranks
 
+from contrastive_losses import InfoNCELoss, KCLLoss, SupportVectorRegularizer
 from contrastive_losses import functional as CF
 from contrastive_losses.distributed import resolve_gather
+
+
+def _svr(base, radius="dynamic"):
+    """The regulariser with the same (seeded) predictor weights on every rank."""
+    torch.manual_seed(0)
+    return SupportVectorRegularizer(base, radius=radius, num_features=4).double()
 
 
 def _losses(gather: bool):
@@ -42,6 +49,12 @@ def _losses(gather: bool):
         "svr_term": lambda a, t, m, i, c: CF.support_vector_term(
             t[:, 1], a, 0.3, 0.2, mask=m[:, 1], gather=gather, chunk_size=c
         ),
+        "svr_kcl_dynamic": lambda a, t, m, i, c: _svr(KCLLoss(0.2, gather=gather, chunk_size=c))(
+            a, t, m
+        ),
+        "svr_info_nce_static": lambda a, t, m, i, c: _svr(
+            InfoNCELoss(0.2, gather=gather, chunk_size=c), radius="static"
+        )(a, t[:, 0]),
     }
     out = {}
     for name, fn in dense.items():
