@@ -90,6 +90,19 @@ def _calls():
     }
 
 
+def _assert_same(dense, tiled):
+    """``(loss, terms, grads)`` of the tiled path equal the dense ones (float64)."""
+    (l1, t1, g1), (l2, t2, g2) = dense, tiled
+    torch.testing.assert_close(l2, l1, rtol=1e-10, atol=1e-12)
+    assert t1.keys() == t2.keys()
+    for key in t1:
+        torch.testing.assert_close(t2[key], t1[key], rtol=1e-10, atol=1e-12)
+    for x, y in zip(g1, g2, strict=True):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-12)
+
+
 def _run(name, chunk, reduction, seed=0, dtype=F64):
     a, t, m, i = _data(seed, dtype)
     tau = torch.tensor(0.2, dtype=dtype, requires_grad=True)
@@ -103,16 +116,7 @@ def _run(name, chunk, reduction, seed=0, dtype=F64):
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("name", list(_calls()))
 def test_tiled_equals_dense_float64(name, chunk, reduction):
-    loss, terms, grads = _run(name, None, reduction)
-    t_loss, t_terms, t_grads = _run(name, chunk, reduction)
-    torch.testing.assert_close(t_loss, loss, rtol=1e-10, atol=1e-12)
-    assert terms.keys() == t_terms.keys()
-    for key in terms:
-        torch.testing.assert_close(t_terms[key], terms[key], rtol=1e-10, atol=1e-12)
-    for g, tg in zip(grads, t_grads, strict=True):
-        assert (g is None) == (tg is None)
-        if g is not None:
-            torch.testing.assert_close(tg, g, rtol=1e-10, atol=1e-12)
+    _assert_same(_run(name, None, reduction), _run(name, chunk, reduction))
 
 
 @pytest.mark.parametrize("name", ["info_nce", "siglip_ids", "kcl_mask", "kcl_all", "cacl"])
@@ -198,12 +202,7 @@ def test_modules_tiled_equal_dense_with_learnable_parameters(name, make):
         params = [a, t, *loss_fn.parameters()]
         assert len(params) > 2
         out.append((loss, terms, torch.autograd.grad(loss, params)))
-    (l1, t1, g1), (l2, t2, g2) = out
-    torch.testing.assert_close(l2, l1, rtol=1e-10, atol=1e-12)
-    for key in t1:
-        torch.testing.assert_close(t2[key], t1[key], rtol=1e-10, atol=1e-12)
-    for x, y in zip(g1, g2, strict=True):
-        torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-12)
+    _assert_same(*out)
 
 
 @pytest.mark.parametrize("direction", ["uni", "bi"])
@@ -225,15 +224,7 @@ def test_svr_tiles_with_its_base_chunk_size(name, make, radius, direction):
         loss, terms = _module_call(name, loss_fn, a, t, m, return_terms=True)
         params = [a, t, *loss_fn.parameters()]
         out.append((loss, terms, torch.autograd.grad(loss, params, allow_unused=True)))
-    (l1, t1, g1), (l2, t2, g2) = out
-    torch.testing.assert_close(l2, l1, rtol=1e-10, atol=1e-12)
-    assert t1.keys() == t2.keys()
-    for key in t1:
-        torch.testing.assert_close(t2[key], t1[key], rtol=1e-10, atol=1e-12)
-    for x, y in zip(g1, g2, strict=True):
-        assert (x is None) == (y is None)
-        if x is not None:
-            torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-12)
+    _assert_same(*out)
 
 
 @settings(max_examples=40, deadline=None)

@@ -211,19 +211,11 @@ class _TemperatureMixin(nn.Module):
         else:
             self.register_buffer("log_logit_scale", log_scale)
 
-    def _init_loss(
-        self,
-        temperature: float,
-        learnable: bool,
-        max_logit_scale: float,
-        normalize: bool,
-        reduction: str,
-        gather: bool | None,
-        chunk_size: int | None,
+    def _init_settings(
+        self, normalize: bool, reduction: str, gather: bool | None, chunk_size: int | None
     ) -> None:
         """The settings every temperature-scaled loss Module holds, checked."""
         _checks.check_reduction(reduction)
-        self._init_temperature(temperature, learnable, max_logit_scale)
         self.normalize = normalize
         self.reduction = reduction
         self.gather = gather

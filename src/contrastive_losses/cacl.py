@@ -215,15 +215,8 @@ class CACLLoss(_TemperatureMixin):
         chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        self._init_loss(
-            temperature,
-            learnable_temperature,
-            max_logit_scale,
-            normalize,
-            reduction,
-            gather,
-            chunk_size,
-        )
+        self._init_settings(normalize, reduction, gather, chunk_size)
+        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
         self.english_index = _checks.check_int(english_index, "english_index", 0)
 
     def triplet(

@@ -127,15 +127,8 @@ class InfoNCELoss(_TemperatureMixin):
         chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        self._init_loss(
-            temperature,
-            learnable_temperature,
-            max_logit_scale,
-            normalize,
-            reduction,
-            gather,
-            chunk_size,
-        )
+        self._init_settings(normalize, reduction, gather, chunk_size)
+        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
 
     def forward(
         self,

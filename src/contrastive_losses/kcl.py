@@ -351,15 +351,8 @@ class KCLLoss(_TemperatureMixin):
     ) -> None:
         super().__init__()
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
-        self._init_loss(
-            temperature,
-            learnable_temperature,
-            max_logit_scale,
-            normalize,
-            reduction,
-            gather,
-            chunk_size,
-        )
+        self._init_settings(normalize, reduction, gather, chunk_size)
+        self._init_temperature(temperature, learnable_temperature, max_logit_scale)
         self.negatives = negatives
 
     def forward(

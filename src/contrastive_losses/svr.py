@@ -762,9 +762,7 @@ class SupportVectorRegularizer(nn.Module):
         sims, pos_sims, dist = _pair_similarities(local, glob, keys, self.direction, enabled)
         row_mask, col_mask = _pair_masks(pairs, b, sims, enabled)
 
-        temperature = self.temperature
-        if isinstance(temperature, Tensor):  # a learnable temperature learns from the base only
-            temperature = temperature.detach()
+        temperature = self._detached_temperature()
         if self.predictor is None:
             radius = self.radius.to(sims.dtype)  # ()
         else:  # SupCLAP's s = cos / tau, detached inside the predictor
@@ -777,6 +775,11 @@ class SupportVectorRegularizer(nn.Module):
         return _anchor_means(
             rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
         )
+
+    def _detached_temperature(self) -> Tensor | float:
+        """The SVR temperature; a learnable one learns from the base only."""
+        temperature = self.temperature
+        return temperature.detach() if isinstance(temperature, Tensor) else temperature
 
     def _regularise_tiled(
         self,
@@ -796,9 +799,7 @@ class SupportVectorRegularizer(nn.Module):
         x, y, y_pos = _pair_problems(local, glob, keys, self.direction)
         dist = _distance(x, y_pos)  # (Q, b)
         row_mask, col_mask = _pair_masks(pairs, b, x, enabled)
-        temperature = self.temperature
-        if isinstance(temperature, Tensor):  # a learnable temperature learns from the base only
-            temperature = temperature.detach()
+        temperature = self._detached_temperature()
         if self.predictor is None:
             radius = self.radius.to(x.dtype)  # ()
         else:  # SupCLAP's s = cos / tau, from the running top-k of every tile
