@@ -528,20 +528,17 @@ def _tiled_top_negatives(
     pos = (x * y[:, offset : offset + b]).sum(-1)  # (Q, b)
     top = x.new_full((q, b, k), float("-inf"))
     low = pos.clone()
-    rows = torch.arange(b, device=x.device)
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
         s = x @ y[:, c0:c1].mT  # (Q, b, c)
         invalid = torch.zeros(b, c1 - c0, dtype=torch.bool, device=x.device)
-        cols = rows + offset - c0
-        inside = (cols >= 0) & (cols < c1 - c0)
-        invalid[rows[inside], cols[inside]] = True  # the positive is not a negative
+        invalid.diagonal(offset=offset - c0).fill_(True)  # the positive is not a negative
         invalid = invalid.expand(q, -1, -1)
         if col_valid is not None:
             invalid = invalid | ~col_valid[:, None, c0:c1]
         low = torch.minimum(low, s.masked_fill(invalid, float("inf")).amin(-1))
         both = torch.cat([top, s.masked_fill_(invalid, float("-inf"))], dim=-1)
-        top = both.topk(min(k, both.shape[-1]), dim=-1).values
+        top = both.topk(k, dim=-1).values  # k of the k + c: the running top-k
     return pos, top, low
 
 
