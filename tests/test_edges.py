@@ -186,7 +186,7 @@ def test_unnormalisable_norms_raise_naming_the_argument(gen, name, which):
         "text": {"force_decomposition": "anchor", "l2_normalize": "x", "cacl": "english"},
     }[which].get(name, which)
     if which == "text" and name in ("CACLLoss",):
-        arg = "english"
+        arg = r"text\[:, 0\]"  # the (B, K, D) form names text and the English column
     with pytest.raises(ValueError, match=rf"{arg}: embedding at index .* has L2 norm .*outside"):
         fn(a_s, t_s)
 
