@@ -184,6 +184,8 @@ class Entry:
     base: Callable[[], dict[str, Any]]
     bad: dict[str, dict[str, object]]
     names: dict[str, tuple[str, ...]]
+    # arguments whose errors must name them (or ``names``): not some other argument
+    strict: tuple[str, ...] = ()
 
 
 def _pair() -> dict[str, Any]:
@@ -299,11 +301,25 @@ def _entries() -> dict[str, Entry]:
     # The defaults are built only for an argument the case leaves alone (a bad value,
     # None included, is passed as is).
     def f_ask(
-        audio, text, fine_audio=_DEFAULT, fine_text=_DEFAULT, epsilon=0.05, injection_ratio=0.2
+        audio,
+        text,
+        fine_audio=_DEFAULT,
+        fine_text=_DEFAULT,
+        epsilon=0.05,
+        injection_ratio=0.2,
+        temperature=0.07,
     ):
         fa = _emb(B, K, 2, DIM, seed=7) if fine_audio is _DEFAULT else fine_audio
         ft = _emb(B, K, 2, DIM, seed=8) if fine_text is _DEFAULT else fine_text
-        return CF.ask(audio, text, fa, ft, epsilon=epsilon, injection_ratio=injection_ratio)
+        return CF.ask(
+            audio,
+            text,
+            fa,
+            ft,
+            epsilon=epsilon,
+            injection_ratio=injection_ratio,
+            temperature=temperature,
+        )
 
     emb_k = _bad_embeddings(_emb(B, K, 2, DIM, seed=7))
     emb_k.update({"K 0": emb_k["non-contiguous"][:, :0], "not pairs": _emb(B, K, 3, DIM)})
@@ -317,6 +333,7 @@ def _entries() -> dict[str, Entry]:
             "fine_text": emb_k,
             "epsilon": _bad_scalars(),
             "injection_ratio": _bad_scalars(positive=False),
+            "temperature": {**_bad_scalars(), "1e-30": 1e-30, "1e-45": 1e-45},
         },
         {},
     )
@@ -368,7 +385,9 @@ def _entries() -> dict[str, Entry]:
             "english_index": _bad_ints(0),
             "other": _bad_ids(B),
         },
-        {"text": ("english_or_text", "english"), "other": ("other",)},
+        {"other": ("other",)},
+        # the (B, K, D) form: an error about text names text, not english or mask
+        strict=("text",),
     )
 
     def m_svr(audio, text, alpha=1.0, radius="dynamic"):
@@ -393,25 +412,35 @@ def _entries() -> dict[str, Entry]:
         m_svr_kcl, _multi, {"audio": emb2, "text": emb3, "mask": mask2}, {}
     )
 
-    def m_radius(similarities, offset=0):
-        return RadiusPredictor(num_features=4)(similarities, offset)
+    def m_radius(similarities, offset=0, mask=None):
+        return RadiusPredictor(num_features=4)(similarities, offset, mask)
 
     e["RadiusPredictor"] = Entry(
         m_radius,
         lambda: {"similarities": _emb(B, B).tanh()},
-        {"similarities": emb2, "offset": _bad_ints(0)},
+        {
+            "similarities": emb2,
+            "offset": _bad_ints(0),
+            "mask": {**_bad_mask((B,)), "numpy": torch.ones(B, dtype=torch.bool).numpy()},
+        },
         {},
     )
 
-    def m_ask(audio, text, ids=None, k=2):
-        return ASKLoss(_bank(), k=k, k_coarse=1)(
+    def m_ask(audio, text, ids=None, k=2, temperature=0.07):
+        return ASKLoss(_bank(), k=k, k_coarse=1, temperature=temperature)(
             audio, text, torch.arange(B) if ids is None else ids
         )
 
     e["ASKLoss"] = Entry(
         m_ask,
         _pair,
-        {"audio": emb2, "text": emb2, "ids": _bad_ids(B), "k": _bad_ints(1)},
+        {
+            "audio": emb2,
+            "text": emb2,
+            "ids": _bad_ids(B),
+            "k": _bad_ints(1),
+            "temperature": {**_bad_scalars(), "1e-30": 1e-30, "1e-45": 1e-45},
+        },
         {},
     )
 
@@ -594,7 +623,8 @@ def classify(arg: str, entry: Entry, kwargs: dict[str, Any]) -> tuple[str, str]:
         named = any(re.search(rf"(^|\W){re.escape(n)}(\W|$)", msg) for n in names)
         # An argument whose bad value makes another one look wrong (a batch mismatch in
         # ``text`` reported by ``text``, a dtype clash named by both) still names one.
-        return ("clear" if named or _names_any(msg, kwargs) else "unclear"), msg
+        other_ok = arg not in entry.strict and _names_any(msg, kwargs)
+        return ("clear" if named or other_ok else "unclear"), msg
     except Exception as err:  # the point is to catch everything
         return "crash", f"{type(err).__name__}: {err}"
     if not _finite(out):

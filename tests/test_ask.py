@@ -521,3 +521,52 @@ def test_gathered_ask_matches_single_process(tmp_path):
         grad_t = torch.cat([r[reduction][2] for r in ranks]) / scale
         torch.testing.assert_close(grad_a, a1.grad, rtol=1e-6, atol=1e-12)
         torch.testing.assert_close(grad_t, t1.grad, rtol=1e-6, atol=1e-12)
+
+
+# ------------------------------------------------------------------ temperature floor, dtypes
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-5, 9.99e-5])
+def test_temperature_below_the_library_floor_is_rejected(temperature):
+    """1e-45 gave NaN and 1e-30 a loss of 6e29: the 1e-4 floor of the other losses."""
+    a, t, fa, ft, _, _ = _batch(4, 8, 3, 1, seed=1)
+    with pytest.raises(ValueError, match=r"temperature: .* below the smallest supported 0\.0001"):
+        ask(a, t, fa, ft, temperature=temperature)
+    kb, _ = _bank()
+    with pytest.raises(ValueError, match=r"temperature: .* below the smallest supported 0\.0001"):
+        ASKLoss(kb, temperature=temperature)
+    assert torch.isfinite(ask(a, t, fa, ft, temperature=1e-4))
+
+
+@pytest.mark.parametrize("name", ["fine_audio", "fine_text", "coarse_audio", "coarse_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_knowledge_in_another_dtype_than_the_queries_is_rejected(name, dtype):
+    args = dict(
+        zip(
+            ["audio", "text", "fine_audio", "fine_text", "coarse_audio", "coarse_text"],
+            _batch(4, 8, 3, 2, seed=2),
+            strict=True,
+        )
+    )
+    args[name] = args[name].to(dtype)
+    with pytest.raises(
+        TypeError, match=rf"^{name}: dtype {dtype} differs from audio's torch.float64"
+    ):
+        ask(**args)
+
+
+@pytest.mark.filterwarnings("ignore:k_coarse")
+@pytest.mark.parametrize("query_dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_module_casts_the_bank_rows_to_the_queries_dtype(query_dtype):
+    """ASKLoss hands ask() the retrieved rows in the queries' dtype (the bank's dtype is
+    a storage choice): the same loss as passing the retrieval cast by hand."""
+    kb, ids = _bank(dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(5, 8, generator=g).to(query_dtype)
+    t = torch.randn(5, 8, generator=g).to(query_dtype)
+    loss_fn = ASKLoss(kb, k=3, k_coarse=2)
+    knowledge = loss_fn.retrieve(a, t, ids[:5])
+    assert all(v.dtype == query_dtype for v in knowledge.values() if v is not None)
+    loss = loss_fn(a, t, ids[:5])
+    assert loss.dtype == query_dtype and torch.isfinite(loss)
+    torch.testing.assert_close(loss, ask(a, t, **knowledge))

@@ -202,3 +202,89 @@ def test_ask_one_sample_on_a_rank_none_or_a_nan(rank_results):
         assert outcomes[0] == outcomes[1], outcomes
         assert outcomes[0][:2] == ("error", "ValueError"), outcomes[0]
         assert __import__("re").search(message, outcomes[0][2]), outcomes[0][2]
+
+
+# ------------------------------------------------------------------ ranks that disagree
+# Rank 0 and rank 1 pass embeddings of another width (D = 8 vs 16) or dtype (float32 vs
+# float64). Gathering them used to abort one rank in gloo (SIGABRT) and reset the other's
+# connection; every rank must raise the same ValueError naming the argument and both values.
+DISAGREE = {
+    "width": ((8, torch.float64), (16, torch.float64)),
+    "dtype": ((8, torch.float32), (8, torch.float64)),
+}
+
+
+def _disagree_losses():
+    def svr(base, radius, dtype):
+        torch.manual_seed(0)
+        return SupportVectorRegularizer(base, radius=radius).to(dtype)
+
+    def ask_loss(a, t, m):
+        g = torch.Generator().manual_seed(3)
+        d = a.shape[1]
+        kb = KnowledgeBank(d, backend="torch", num_prototypes=2, dtype=a.dtype)
+        kb.build(
+            torch.randn(12, d, generator=g),
+            torch.randn(12, d, generator=g),
+            torch.arange(12),
+            gather=False,
+        )
+        return ASKLoss(kb, k=2, k_coarse=1, gather=True)(
+            a, t[:, 0], torch.arange(100, 100 + len(a))
+        )
+
+    def bank(a, t, m):
+        kb = KnowledgeBank(a.shape[1], backend="torch", num_prototypes=0)
+        built = kb.build(a, t[:, 0], torch.arange(len(a)), gather=True)
+        return built.audio.sum() + 0 * a.sum()  # a loss for _run to backward
+
+    out = dict(_losses(gather=True))
+    out["svr_info_nce"] = lambda a, t, m: svr(InfoNCELoss(0.2, gather=True), "dynamic", a.dtype)(
+        a, t[:, 0]
+    )
+    out["svr_kcl"] = lambda a, t, m: svr(KCLLoss(0.2, gather=True), 0.1, a.dtype)(a, t, m)
+    out["ask"] = ask_loss
+    out["bank"] = bank
+    return out
+
+
+def _disagree_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    init_gloo(rank, world, init_method, timeout_s=60)
+    try:
+        results: dict[tuple[str, str], object] = {}
+        g = torch.Generator().manual_seed(rank)
+        for case, per_rank in DISAGREE.items():
+            d, dtype = per_rank[rank]
+            a = torch.randn(3, d, generator=g, dtype=dtype)
+            t = torch.randn(3, 3, d, generator=g, dtype=dtype)
+            m = torch.ones(3, 3, dtype=torch.bool)
+            for name, fn in _disagree_losses().items():
+                results[case, name] = _run(fn, a, t, m)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def disagree_results(tmp_path_factory):
+    return spawn_ranks(
+        _disagree_worker, tmp_path_factory.mktemp("dist_disagree"), deadline_s=DEADLINE_S
+    )
+
+
+@pytest.mark.parametrize("name", list(_disagree_losses()))
+@pytest.mark.parametrize("case", list(DISAGREE))
+def test_ranks_that_disagree_on_width_or_dtype_raise_the_same_error(disagree_results, case, name):
+    outcomes = [r[case, name] for r in disagree_results]
+    if case == "dtype" and name == "bank":
+        # build() stores float32 unit rows whatever the input dtype: nothing to disagree on
+        assert all(isinstance(o[0], torch.Tensor) for o in outcomes), outcomes
+        torch.testing.assert_close(outcomes[0][0].double(), outcomes[1][0].double())  # one bank
+        return
+    assert outcomes[0] == outcomes[1], outcomes  # the same type and message everywhere
+    assert outcomes[0][:2] == ("error", "ValueError"), outcomes[0]
+    message = outcomes[0][2]
+    arg = {"svr_term": "anchor", "bank": "audio_emb"}.get(name, "audio")
+    values = ("(8,)", "(16,)") if case == "width" else ("torch.float32", "torch.float64")
+    assert message.startswith(f"{arg}: "), message
+    assert f"{values[0]} on rank 0" in message and f"{values[1]} on rank 1" in message, message

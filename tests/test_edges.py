@@ -186,7 +186,7 @@ def test_unnormalisable_norms_raise_naming_the_argument(gen, name, which):
         "text": {"force_decomposition": "anchor", "l2_normalize": "x", "cacl": "english"},
     }[which].get(name, which)
     if which == "text" and name in ("CACLLoss",):
-        arg = "english"
+        arg = r"text\[:, 0\]"  # the (B, K, D) form names text and the English column
     with pytest.raises(ValueError, match=rf"{arg}: embedding at index .* has L2 norm .*outside"):
         fn(a_s, t_s)
 
@@ -371,3 +371,96 @@ def test_bank_search_rejects_queries_whose_scores_overflow(gen):
     q = torch.full((1, 4), 3e38)
     with pytest.raises(ValueError, match="queries: a row norm exceeds float32's max"):
         _bank(gen).search(q, 1)
+
+
+def _cacl_text_form(audio, text, mask=None, other=None, normalize=True):
+    loss = CACLLoss(0.1, normalize=normalize)
+    return loss(audio, text, other, mask=mask, generator=torch.Generator().manual_seed(0))
+
+
+_T = torch.randn(6, 3, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _set(x, idx, value):
+    x = x.clone()
+    x[idx] = value
+    return x
+
+
+@pytest.mark.parametrize(
+    ("text", "error", "match"),
+    [
+        (None, TypeError, r"^text: expected a torch.Tensor"),
+        (_T.tolist(), TypeError, r"^text: expected a torch.Tensor"),
+        (_T.reshape(-1), ValueError, r"^text: expected shape \(B, K, D\)"),
+        (_T[:, None], ValueError, r"^text: expected shape \(B, K, D\)"),
+        (_T[:1], ValueError, r"^text: batch size B 1 does not match audio's 6"),
+        (_T[:5], ValueError, r"^text: batch size B 5 does not match audio's 6"),
+        (_T[:, :, :0], ValueError, r"^text: embedding dimension D is 0"),
+        (_T[:, :, :7], ValueError, r"^text: embedding dim D 7 does not match audio's 8"),
+        (_T[:, :0], ValueError, r"^text: K = 0 languages"),
+        (_T[:, :2], ValueError, r"^text, mask: .*\(6, 2, 8\).*\(6, 3\)"),
+        (_T.long(), TypeError, r"^text: expected a floating-point tensor"),
+        (_T.double(), TypeError, r"^text: dtype torch.float64 differs from audio's torch.float32"),
+        (_T.half(), TypeError, r"^text: dtype torch.float16 differs from audio's torch.float32"),
+        (_T.to("meta"), ValueError, r"^text: on device meta but audio is on cpu"),
+        (_set(_T, (0, 0, 0), float("nan")), ValueError, r"^text\[:, 0\]: contains 1 NaN/Inf"),
+        (
+            _set(_T, (0, 0), 0.0),
+            ValueError,
+            r"^text\[:, 0\]: embedding at index \(0,\) is all zeros",
+        ),
+        (
+            torch.zeros_like(_T),
+            ValueError,
+            r"^text\[:, 0\]: embedding at index \(0,\) is all zeros",
+        ),
+        (_T * 1e-44, ValueError, r"^text\[:, 0\]: embedding at index \(0,\) has L2 norm"),
+        (
+            _set(_T, (0, 1), 0.0),
+            ValueError,
+            r"^text\[i, other\[i\]\]: embedding at index \(0,\) is all zeros",
+        ),
+    ],
+    ids=[
+        "none",
+        "list",
+        "1-d",
+        "extra dim",
+        "batch 1",
+        "batch mismatch",
+        "D 0",
+        "D mismatch",
+        "K 0",
+        "K mismatch mask",
+        "int64",
+        "float64",
+        "float16",
+        "meta",
+        "nan",
+        "zero row",
+        "all zeros",
+        "subnormal",
+        "zero other row",
+    ],
+)
+def test_cacl_text_form_errors_name_text(text, error, match):
+    """CACLLoss(audio, text (B, K, D), mask=...): an error about ``text`` names ``text``
+    (it named ``english``, ``english_or_text`` or ``mask``)."""
+    audio = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(6, 3, dtype=torch.bool)
+    other = torch.ones(6, dtype=torch.long)  # column 1: the "other" language of every row
+    with pytest.raises(error, match=match):
+        _cacl_text_form(audio, text, mask, other)
+
+
+def test_cacl_text_form_ignores_unused_captions_and_zero_rows_without_normalize():
+    """Only the English and the drawn captions are checked: NaN in a caption that is not
+    used is no error (as before), and zero rows are fine when nothing is normalised."""
+    audio = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    other = torch.ones(6, dtype=torch.long)
+    text = _set(_T, (0, 2, 0), float("nan"))
+    assert torch.isfinite(_cacl_text_form(audio, text, other=other))
+    assert torch.isfinite(
+        _cacl_text_form(audio, _set(_T, (0, 1), 0.0), other=other, normalize=False)
+    )

@@ -8,6 +8,7 @@ import io
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import reference as ref
 import reference_svr as ref_svr
@@ -1004,3 +1005,30 @@ def test_gathered_regulariser_matches_single_process(rank_results, name):
     for pname, p in loss_fn.named_parameters():  # DDP averages parameter gradients
         mean_grad = sum(r[name][3][pname] for r in rank_results) / world
         torch.testing.assert_close(mean_grad, p.grad, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "match"),
+    [
+        (
+            torch.ones(6, dtype=torch.long),
+            TypeError,
+            r"^mask: expected a bool tensor, got dtype torch.int64",
+        ),
+        (torch.ones(6), TypeError, r"^mask: expected a bool tensor, got dtype torch.float32"),
+        (np.ones(6, dtype=bool), TypeError, r"^mask: expected a torch.Tensor, got ndarray"),
+        ([True] * 6, TypeError, r"^mask: expected a torch.Tensor, got list"),
+        (torch.ones(5, dtype=torch.bool), ValueError, r"^mask: expected shape \(6,\)"),
+        (torch.ones(6, dtype=torch.bool, device="meta"), ValueError, r"^mask: "),
+    ],
+    ids=["long", "float", "numpy", "list", "short", "meta"],
+)
+def test_predictor_mask_is_checked(mask, error, match):
+    """A long mask used to fail inside masked_fill_, a float one with a bare TypeError,
+    a numpy one inside torch: each names ``mask``."""
+    predictor = RadiusPredictor(num_features=4)
+    sims = torch.rand(4, 6) * 2 - 1
+    with pytest.raises(error, match=match):
+        predictor(sims, 2, mask)
+    with pytest.raises(error, match=match):
+        predictor.features(sims, 2, mask)

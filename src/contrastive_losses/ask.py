@@ -40,6 +40,7 @@ from ._checks import (
     check_same_device_dtype,
     check_same_size,
 )
+from ._common import _temperature
 from .bank import KnowledgeBank
 from .distributed import (
     all_gather_no_grad,
@@ -93,7 +94,7 @@ def _check_hparams(
             f"{lambda_fine} + {lambda_coarse}"
         )
     check_positive(epsilon, "epsilon")
-    check_positive(temperature, "temperature")
+    _temperature(temperature)  # the library's floor, 1e-4: 1e-30 gave a loss of 6e29
     check_int(sinkhorn_iters, "sinkhorn_iters", 1)
     _check_bool(detach_plan, "detach_plan")
     _check_bool(normalize, "normalize")
@@ -206,6 +207,11 @@ def _check_knowledge(t: Tensor | None, name: str, ref: Tensor) -> Tensor | None:
         )
     if t.device != ref.device:
         raise ValueError(f"{name}: on device {t.device} but audio is on {ref.device}")
+    if t.dtype != ref.dtype:  # no silent cast; ASKLoss.retrieve returns the queries' dtype
+        raise TypeError(
+            f"{name}: dtype {t.dtype} differs from audio's {ref.dtype}; pass the knowledge "
+            "in the queries' dtype (ASKLoss casts the bank's rows to it)"
+        )
     return t
 
 
@@ -409,13 +415,14 @@ def ask(
             ``(B, K, 2, D)``: ``[..., 0, :]`` the audio partners :math:`u^{k'}_j`,
             ``[..., 1, :]`` the bank texts :math:`v^k_j`.
         coarse_audio, coarse_text: the same with prototype pairs, ``(B, Kc, 2, D)``, or
-            ``None`` (both).
+            ``None`` (both). All knowledge has the dtype and device of ``audio``.
         injection_ratio: :math:`\rho \in [0, 1]`, share of knowledge in the injected embedding.
         ot_weight: :math:`\beta \in [0, 1]`, share of the transported similarities.
         lambda_fine: :math:`\lambda_f \ge 0`; lambda_coarse: :math:`\lambda_c \ge 0`, with
             :math:`\lambda_f + \lambda_c < 1` so that the modulation stays positive.
         epsilon: Sinkhorn regularisation, in cosine-similarity units.
-        temperature: :math:`\tau` of the logits (the potentials have none, as printed).
+        temperature: :math:`\tau \ge 10^{-4}` of the logits (the potentials have none,
+            as printed).
         sinkhorn_iters: Sinkhorn iterations.
         detach_plan: treat :math:`Q_g` as a constant (no gradient through the iterations).
         plan: use this plan instead of computing it (tests, diagnostics): ``(B, B)`` for
@@ -608,7 +615,9 @@ class ASKLoss(nn.Module):
         ``audio[i]``, ``fine_text[i]`` those whose *text* is nearest to ``text[i]``. The
         search runs without gradient; the rows are gathered from the bank tensors, so
         they carry a gradient only if those tensors require one (see
-        :func:`~contrastive_losses.diagnostics.out_of_batch_influence`)."""
+        :func:`~contrastive_losses.diagnostics.out_of_batch_influence`). They are cast to
+        the queries' device and dtype (the bank's ``dtype`` is a storage choice; :func:`ask`
+        takes knowledge in the queries' dtype only)."""
         bank = self.bank
         if bank.is_empty:
             raise ValueError(
@@ -653,7 +662,7 @@ class ASKLoss(nn.Module):
         """``(B, k, 2, D)``: the (audio, text) pairs at ``rows``, on ``like``'s device."""
         rows = rows.to(audio_table.device)
         pairs = torch.stack([audio_table[rows], text_table[rows]], dim=2)
-        return pairs.to(like.device)
+        return pairs.to(like.device, like.dtype)
 
     def forward(
         self, audio: Tensor, text: Tensor, ids: Tensor | None = None, return_terms: bool = False
@@ -680,6 +689,7 @@ class ASKLoss(nn.Module):
             ids = check_ids(ids, "ids", audio.shape[0], audio)
             knowledge: dict[str, Any] = self.retrieve(audio, text, ids)
             v.batch = audio.shape[0]
+            v.agree(audio=audio, text=text)
         b, offset = audio.shape[0], 0
         if enabled:
             # Sinkhorn couples every pair of the batch, so each rank evaluates the loss of

@@ -343,6 +343,7 @@ class KnowledgeBank:
             audio = _unit_rows(audio_emb, "audio_emb")
             text = _unit_rows(text_emb, "text_emb").to(audio.device)
             v.batch = audio_emb.shape[0]
+            v.agree(audio_emb=audio, text_emb=text)
         if distributed:
             audio, text, ids = (
                 _all_gather_rows(audio),

@@ -89,6 +89,7 @@ def cacl(
         _check_pair(a, "audio", e, "english")
         _check_pair(a, "audio", o, "other")
         v.batch = a.shape[0]
+        v.agree(audio=a, english=e, other=o)
     per_sample: list[Tensor] = []
     terms: Terms = {}
     batch = _batch(0, a.shape[0], False)
@@ -228,32 +229,48 @@ class CACLLoss(_TemperatureMixin):
         mask: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Resolve the two call forms to ``(audio, english, other)``, each ``(B, D)``."""
-        text = _checks.check_tensor(english_or_text, "english_or_text")
-        if text.dim() == 2:
+        """Resolve the two call forms to ``(audio, english, other)``, each ``(B, D)``.
+
+        In the ``(B, K, D)`` form errors about the captions name ``text`` (the English and
+        drawn columns are checked here, so :func:`cacl` never reports them as
+        ``english``/``other``)."""
+        if isinstance(english_or_text, Tensor) and english_or_text.dim() == 2:
             if other is None or not isinstance(other, Tensor) or other.dim() != 2:
                 raise ValueError(
                     "other: with a (B, D) english tensor, pass the other-language "
                     "captions as a (B, D) tensor"
                 )
-            return audio, text, other
+            return audio, english_or_text, other
         # Under gather these checks run on every rank together (a rank's error is raised on
         # all), else one failing rank would leave the others waiting in cacl's gather; the
         # global batch size is cacl's to check.
-        with validate_together(resolve_gather(self.gather), text, min_global=0) as v:
+        with validate_together(resolve_gather(self.gather), english_or_text, min_global=0) as v:
+            a = _checks.check_embeddings(
+                audio, "audio", ndim=2, dims="(B, D)", min_batch=v.min_batch, check_values=False
+            )
             text = _checks.check_embeddings(
-                text,
-                "english_or_text",
+                english_or_text,
+                "text",
                 ndim=3,
                 dims="(B, K, D)",
                 check_values=False,
                 min_batch=v.min_batch,
             )
+            _checks.check_same_size(a, "audio", text, "text", 0, "batch size B")
+            _checks.check_same_size(a, "audio", text, "text", -1, "embedding dim D")
+            _checks.check_same_device_dtype([(a, "audio"), (text, "text")])
             b, k_langs = text.shape[:2]
+            if k_langs == 0:
+                raise ValueError(f"text: K = 0 languages (shape {tuple(text.shape)})")
             if self.english_index >= k_langs:
                 raise ValueError(
                     f"english_index: {self.english_index} is outside the K = {k_langs} languages "
-                    f"of english_or_text (shape {tuple(text.shape)})"
+                    f"of text (shape {tuple(text.shape)})"
+                )
+            if isinstance(mask, Tensor) and tuple(mask.shape) != (b, k_langs):
+                raise ValueError(
+                    f"text, mask: text has shape {tuple(text.shape)} (B, K, D) but mask "
+                    f"{tuple(mask.shape)}; the mask must be (B, K)"
                 )
             if mask is not None:
                 mask = _checks.check_mask(mask, "mask", (b, k_langs), text)
@@ -276,8 +293,15 @@ class CACLLoss(_TemperatureMixin):
             ):
                 raise ValueError("other: points at captions that the mask marks absent")
             rows = torch.arange(b, device=text.device)
+            english, chosen = text[:, self.english_index], text[rows, index]
+            # The captions cacl uses, checked as cacl would (values, and norms when it
+            # normalises) but named after text; unused captions are not looked at.
+            _checks.check_row_norms(
+                english, f"text[:, {self.english_index}]", nonzero=self.normalize
+            )
+            _checks.check_row_norms(chosen, "text[i, other[i]]", nonzero=self.normalize)
             v.batch = b
-        return audio, text[:, self.english_index], text[rows, index]
+        return audio, english, chosen
 
     def resolve_inputs(
         self,

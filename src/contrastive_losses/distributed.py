@@ -13,9 +13,10 @@ concatenated batch, and its gradient equals the single-process gradient.
 from __future__ import annotations
 
 import typing
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,14 +50,81 @@ def resolve_gather(gather: bool | None) -> bool:
     return gather
 
 
+# What validate_together exchanges about each tensor the ranks will gather: its dtype
+# and the sizes after the batch dim, in a fixed-length slot so that every rank sends
+# the same number of longs whether or not its checks passed (or registered anything).
+_MAX_AGREE = 4  # tensors per block
+_MAX_TRAILING = 4  # dims after the batch dim; (B, K, 2, D) knowledge has 3
+_SLOT = 2 + _MAX_TRAILING  # [dtype code, ndim, *dims, zero padding]
+_DTYPES = {
+    zlib.crc32(str(d).encode()): d
+    for d in (getattr(torch, n) for n in dir(torch))
+    if isinstance(d, torch.dtype)
+}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A code that is the same in every process (not ``hash``, which is salted)."""
+    return zlib.crc32(str(dtype).encode())
+
+
 @dataclass
 class Validation:
     """What :func:`validate_together` hands to the checks: ``min_batch`` is the local
     minimum (0 under gather, the global one otherwise); set ``batch`` to the local batch
-    size once the inputs are validated."""
+    size once the inputs are validated, and name the validated tensors that will be
+    gathered with :meth:`agree` (in the same order on every rank)."""
 
     min_batch: int
     batch: int = 0
+    tensors: list[tuple[str, Tensor]] = field(default_factory=list)
+
+    def agree(self, **tensors: Tensor) -> None:
+        """Tensors (``name=tensor``) whose dtype and trailing shape (every dim after the
+        batch dim) must be the same on every rank: under gather, ranks that differ raise
+        one ``ValueError`` naming the argument and both values instead of crashing in the
+        collective."""
+        self.tensors.extend(tensors.items())
+        if len(self.tensors) > _MAX_AGREE:
+            raise RuntimeError(f"validate_together: at most {_MAX_AGREE} tensors can agree")
+
+    def _encoded(self) -> list[int]:
+        out = [0] * (_SLOT * _MAX_AGREE)
+        for i, (_, x) in enumerate(self.tensors):
+            dims = list(x.shape[1:])
+            if len(dims) > _MAX_TRAILING:
+                raise RuntimeError(f"validate_together: over {_MAX_TRAILING} trailing dims")
+            slot = [_dtype_code(x.dtype), len(dims), *dims]
+            out[i * _SLOT : i * _SLOT + len(slot)] = slot
+        return out
+
+
+def _slot_values(row: list[int], i: int) -> tuple[str, str]:
+    """The dtype and the trailing shape a rank sent in slot ``i``, as printed."""
+    code, ndim, *dims = row[i * _SLOT : (i + 1) * _SLOT]
+    dtype = _DTYPES.get(code)
+    return (str(dtype) if dtype is not None else f"<dtype code {code}>"), str(tuple(dims[:ndim]))
+
+
+def _disagreement(names: list[str], rows: list[list[int]]) -> str | None:
+    """The first registered tensor on which the ranks differ, as a message; ``None`` when
+    all agree. Ranks compare slot by slot, so the message is the same on every rank."""
+    for i, name in enumerate(names):
+        for r, row in enumerate(rows[1:], start=1):
+            if row[i * _SLOT : (i + 1) * _SLOT] == rows[0][i * _SLOT : (i + 1) * _SLOT]:
+                continue
+            (dtype0, shape0), (dtype_r, shape_r) = _slot_values(rows[0], i), _slot_values(row, i)
+            what, v0, vr = (
+                ("dtype", dtype0, dtype_r)
+                if dtype0 != dtype_r
+                else ("shape after the batch dim", shape0, shape_r)
+            )
+            return (
+                f"{name}: {what} {v0} on rank 0 but {vr} on rank {r}; every rank must pass "
+                f"the same {'dtype' if what == 'dtype' else 'embedding sizes'} (only the "
+                "batch size may differ) to gather them (every rank raises it)"
+            )
+    return None
 
 
 @contextmanager
@@ -69,10 +137,14 @@ def validate_together(
     gather a check that fails on one rank only would leave the other ranks waiting in the
     first collective forever (a hang, not an error). So the checks run with no local
     minimum (a rank may even hold no sample), and on leaving the block every rank shares,
-    in one small ``all_gather``, whether its checks failed and its batch size: if any rank failed,
-    every rank raises that rank's error (the lowest failing rank's, same type and
-    message everywhere); if the *global* batch is below ``min_global`` every rank raises
-    a ``ValueError`` naming ``name``. Splits 1 + 6 and 0 + 2 are legal, 1 + 0 is not.
+    in one small ``all_gather``, whether its checks failed, its batch size and the dtype
+    and trailing shape of the tensors registered with :meth:`Validation.agree`: if any
+    rank failed, every rank raises that rank's error (the lowest failing rank's, same type
+    and message everywhere); if the ranks disagree on a registered tensor's dtype or its
+    sizes after the batch dim (``D = 8`` on one rank, ``16`` on another: the gather would
+    abort a rank) every rank raises a ``ValueError`` naming it and both values; if the
+    *global* batch is below ``min_global`` every rank raises a ``ValueError`` naming
+    ``name``. Splits 1 + 6 and 0 + 2 are legal, 1 + 0 is not.
 
     ``ref`` is the first input; its device carries the collective (CPU when it is not a
     tensor; the current CUDA device under NCCL).
@@ -92,7 +164,12 @@ def validate_together(
         device = ref.device
     else:
         device = torch.device("cpu")
-    flags = torch.tensor([int(error is not None), v.batch], device=device, dtype=torch.long)
+    shared = [int(error is not None), v.batch]
+    if error is None:
+        shared += v._encoded()
+    else:  # the same length, nothing to compare: the error is raised first
+        shared += [0] * (_SLOT * _MAX_AGREE)
+    flags = torch.tensor(shared, device=device, dtype=torch.long)
     gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flags)
     failed = [r for r, f in enumerate(gathered) if int(f[0])]
@@ -103,6 +180,10 @@ def validate_together(
         kind, message = typing.cast(tuple[str, str], infos[failed[0]])
         cls = TypeError if kind == "TypeError" else ValueError
         raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
+    rows = [f[2:].tolist() for f in gathered]
+    mismatch = _disagreement([name for name, _ in v.tensors], rows)
+    if mismatch is not None:
+        raise ValueError(mismatch)
     total = sum(int(f[1]) for f in gathered)
     if total < min_global:
         raise ValueError(

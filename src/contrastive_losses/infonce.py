@@ -82,6 +82,7 @@ def info_nce(
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
         v.batch = a.shape[0]
+        v.agree(audio=a, text=t)
     a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled, chunk_size)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     terms = {

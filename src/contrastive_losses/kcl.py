@@ -133,6 +133,7 @@ def kcl(
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
         t_raw, text_norms, m, moderate = _text_and_mask(a, text, mask, normalize, v.min_batch)
         v.batch = a.shape[0]
+        v.agree(audio=a, text=t_raw)
     # Single process, per-language negatives: normalise through the scores (fast path),
     # unless 1/||t||^2 in its backward could overflow (norms below sqrt(tiny)).
     fused = normalize and not enabled and negatives == "per_language" and moderate

@@ -105,6 +105,7 @@ def siglip(
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
         v.batch = a.shape[0]
+        v.agree(audio=a, text=t)
     t_all, offset = _gather(t, enabled)
     ids_all = None if ids is None else (all_gather_no_grad(ids) if enabled else ids)
     if chunk_size is None:

@@ -303,6 +303,7 @@ def support_vector_term(
         if mask is not None:
             mask = _check_row_mask(mask, b, x)
         v.batch = b
+        v.agree(anchor=x, candidates=y)
     y_all, offset = _gather(y, enabled)
     m_all = None if mask is None else (all_gather_no_grad(mask) if enabled else mask)
     r = r[None] if isinstance(r, Tensor) and r.dim() == 1 else r
@@ -418,8 +419,18 @@ class RadiusPredictor(nn.Module):
         _checks.check_int(offset, "offset", 0)
         if offset + b > n:
             raise ValueError(f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns")
-        if mask is not None and tuple(mask.shape) != (*s.shape[:-2], n):
-            raise ValueError(f"mask: expected shape {(*s.shape[:-2], n)}, got {tuple(mask.shape)}")
+        if mask is not None:
+            mask = _checks.check_tensor(mask, "mask")
+            if tuple(mask.shape) != (*s.shape[:-2], n):
+                raise ValueError(
+                    f"mask: expected shape {(*s.shape[:-2], n)}, got {tuple(mask.shape)}"
+                )
+            if mask.dtype != torch.bool:
+                raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
+            if mask.device != s.device:
+                raise ValueError(
+                    f"mask: on device {mask.device} but similarities are on {s.device}"
+                )
         return _radius_features(s, self.num_features, offset, mask)
 
     def forward(self, similarities: Tensor, offset: int = 0, mask: Tensor | None = None) -> Tensor:
@@ -859,6 +870,7 @@ def _prepare_pairs(
             )
         b = next(iter(local.values())).shape[0]
         v.batch = b
+        v.agree(audio=local[keys[0][0]], text=local[keys[0][1]])
     offset = 0
     for key, x in local.items():  # the same order on every rank
         glob[key], offset = _gather(x, enabled)
