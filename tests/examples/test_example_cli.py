@@ -22,8 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "finetune_ced_sonar.py"
 
 
-def cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def cli(
+    *argv: str, timeout: float = 600, threads: int | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "examples")])}
+    if threads:  # under pytest -n 2 another worker holds the second core
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return subprocess.run(
         [sys.executable, str(SCRIPT), *argv],
         capture_output=True,
@@ -41,13 +45,15 @@ def cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 def test_the_demo_learns_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     started = time.time()
-    result = cli("--demo", "--output-dir", str(out))
+    result = cli("--demo", "--output-dir", str(out), threads=1)
     seconds = time.time() - started
     assert result.returncode == 0, result.stderr[-3000:]
     assert seconds < 300
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("done") and str(out) in last, last
-    epochs = [json.loads(line) for line in (out / "run" / "epoch_log.jsonl").read_text().split()]
+    epochs = [
+        json.loads(line) for line in (out / "run" / "epoch_log.jsonl").read_text().splitlines()
+    ]
     first, final = epochs[0]["train_loss"], epochs[-1]["train_loss"]
     assert final <= 0.7 * first, (first, final)
     metrics = epochs[-1]["metrics"]
