@@ -162,7 +162,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=DOCS / "_build" / "screenshot")
     parser.add_argument("--mathjax", default=None, help="a MathJax folder, a URL, or 'cdn'")
     args = parser.parse_args()
-    html = args.html or build(args.out, args.mathjax)
+    args.out = args.out.resolve()  # file URIs need absolute paths
+    html = args.html.resolve() if args.html else build(args.out, args.mathjax)
     failures = []
     missing = [p for p in PAGES + api_pages() if not (html / f"{p}.html").is_file()]
     if missing:

@@ -10,7 +10,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .sonar import PAPER_LANGUAGES, canonical_language
 
@@ -57,13 +57,37 @@ def _add_flag(group: Any, name: str, default: bool, help: str) -> None:
     group.add_argument(name, type=_bool, nargs="?", const=True, default=default, help=help)
 
 
+class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: ...)`` unless the help text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line on stderr (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="finetune_ced_sonar.py",
         description="Fine-tune CED (audio) + SONAR (text) with a contrastive_losses loss.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnce,
     )
     p.add_argument("--config", help="JSON (or YAML) file with any of the options below")
+    _add_flag(
+        p,
+        "--demo",
+        False,
+        "generate a small learnable synthetic set and tiny towers under --output-dir and train "
+        "on them (CPU, about a minute); other options override the demo's",
+    )
 
     g = p.add_argument_group("data")
     g.add_argument("--train-manifest", help="CSV/JSONL: audio_path,audio_id,caption,language")
@@ -238,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="best checkpoint: 'mean_r1' (mean R@1 over languages and directions) or a "
         "flattened retrieval_report key",
     )
+    _add_flag(
+        g,
+        "--allow-config-change",
+        False,
+        "resume although options that change the training differ from the checkpoint's "
+        "(each is named, with its consequence)",
+    )
+    _add_flag(g, "--debug", False, "errors show their traceback")
     _add_flag(g, "--progress", True, "tqdm progress bars")
     _add_flag(g, "--plots", True, "PNG curves at the end")
     return p
@@ -271,6 +303,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
+    if first.demo:
+        from .demo import demo_defaults
+
+        if first.output_dir is None:
+            parser.error("--demo needs --output-dir (the demo's data, models and run go there)")
+        parser.set_defaults(**demo_defaults(first.output_dir))
     if first.config:
         values = load_config_file(first.config)
         dests = {a.dest: a for a in parser._actions}

@@ -169,16 +169,16 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
+def read_jsonl(path: Path | str, with_lines: bool = False) -> list[Any]:
     """Rows of a JSON Lines log. A truncated or garbled *last* line (a kill or a full disk in
     the middle of an append) is skipped with a warning naming the file; a bad line before the
-    last is an error naming the file and the line."""
+    last is an error naming the file and the line. ``with_lines``: ``(line number, row)`` pairs."""
     path = Path(path)
     if not path.is_file():
         return []
     lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
     numbered = [(i, line) for i, line in enumerate(lines, start=1) if line.strip()]
-    rows: list[dict[str, Any]] = []
+    rows: list[Any] = []
     for n, (line_no, line) in enumerate(numbered):
         try:
             row = json.loads(line)
@@ -191,7 +191,7 @@ def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
             raise ValueError(
                 f"{path}:{line_no}: not a JSON object ({err}); fix or delete the line"
             ) from err
-        rows.append(row)
+        rows.append((line_no, row) if with_lines else row)
     return rows
 
 

@@ -385,6 +385,17 @@ class KnowledgeBank:
             faiss = _import_faiss()
             x = pairs.cpu().float().contiguous().numpy()
             km = faiss.Kmeans(x.shape[1], k, niter=self.kmeans_iters, seed=self.seed, verbose=False)
+            # faiss prints this warning to the C stderr; say it through `warnings` instead and
+            # lower faiss's threshold (it only gates the message) so it stays quiet.
+            wanted = k * int(km.cp.min_points_per_centroid)
+            if x.shape[0] < wanted:
+                warnings.warn(
+                    f"k-means: clustering {x.shape[0]} points to {k} centroids: faiss advises at "
+                    f"least {wanted} training points (fewer prototypes: num_prototypes)",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            km.cp.min_points_per_centroid = 1
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 km.train(x)
@@ -475,7 +486,18 @@ class KnowledgeBank:
                 mod.eval()
             with torch.no_grad():
                 for batch in batches:
-                    a, t, i = encode_fn(batch)
+                    encoded = encode_fn(batch)
+                    if not isinstance(encoded, (tuple, list)) or len(encoded) != 3:
+                        got = (
+                            f"{len(encoded)} values"
+                            if isinstance(encoded, (tuple, list))
+                            else f"a {type(encoded).__name__}"
+                        )
+                        raise ValueError(
+                            "encode_fn: must return 3 values (audio_emb (b, D), text_emb (b, D),"
+                            f" ids (b,)), got {got}"
+                        )
+                    a, t, i = encoded
                     audio_chunks.append(_unit_rows(a, "encode_fn audio").to(target, self.dtype))
                     text_chunks.append(_unit_rows(t, "encode_fn text").to(target, self.dtype))
                     id_chunks.append(torch.as_tensor(i).to(target))

@@ -1,0 +1,561 @@
+"""Checkpoints of the trainer: manifest, save, verify, resume point, prune.
+
+A checkpoint is a directory ``checkpoints/step-NNNNNNNN`` (``step-N.k`` when the step was saved
+before: an epoch ending on a ``--save-every-steps`` step) holding ``state.pt`` (rank 0),
+``rng-rank<r>.pt`` (every rank) and ``manifest.json``: the SHA-256 and size of every other
+file, the checkpoint's name, step and epoch, and the run's options. The files are written into a
+temporary directory, the manifest last, the directory is renamed into place and only then
+named by ``checkpoints/latest``. A checkpoint whose files do not match its manifest is never
+loaded: ``--resume auto`` falls back to the newest intact checkpoint with a warning naming the
+damaged file, or stops with an error naming it when none is intact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .distributed import from_main
+from .durable import (
+    TMP_PREFIX,
+    atomic_torch_save,
+    atomic_write_text,
+    fsync_dir,
+    remove_tree,
+    warn,
+)
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+NAME = re.compile(r"step-(\d{8})(?:\.(\d+))?")
+
+#: Keys of ``state.pt`` a resume cannot do without.
+REQUIRED_STATE = (
+    "model",
+    "loss",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "step",
+    "epoch",
+    "batch_in_epoch",
+    "best",
+    "history",
+)
+REQUIRED_RNG = ("python", "torch", "cuda", "lang_gen")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or ``latest``) is missing, damaged or not usable; names the file."""
+
+
+def sort_key(name: str) -> tuple[int, int]:
+    match = NAME.fullmatch(name)
+    assert match is not None, name
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    sha = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"sha256": sha.hexdigest(), "size": size}
+
+
+def write_manifest(directory: Path, name: str, meta: dict[str, Any]) -> None:
+    """``manifest.json``: digest of every file in ``directory`` plus ``meta``."""
+    files = {
+        p.name: file_digest(p)
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(TMP_PREFIX)
+    }
+    manifest = {"format": MANIFEST_FORMAT, "name": name, **meta, "files": files}
+    atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1, default=str))
+
+
+def verify(directory: Path) -> dict[str, Any]:
+    """The checkpoint's manifest, once every file matches it; else :class:`CheckpointError`
+    naming the first file that does not."""
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: missing (the checkpoint is incomplete, or was written by a trainer "
+            "without manifests): its files cannot be verified"
+        )
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+        files = manifest["files"]
+        if not isinstance(files, dict) or "state.pt" not in files:
+            raise ValueError("no 'files' entry listing state.pt")
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: not a valid checkpoint manifest ({err})") from err
+    if manifest.get("name") != directory.name:
+        raise CheckpointError(
+            f"{path}: describes checkpoint {manifest.get('name')!r}, not {directory.name!r} "
+            "(a file or directory was swapped or renamed)"
+        )
+    present = {p.name for p in directory.iterdir() if p.name != MANIFEST}
+    for extra in sorted(present - set(files)):
+        raise CheckpointError(f"{directory / extra}: not listed in {path}")
+    for name, entry in files.items():
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in {path} but missing")
+        actual = file_digest(file)
+        if actual["size"] != entry.get("size"):
+            raise CheckpointError(
+                f"{file}: {actual['size']} bytes, the manifest says {entry.get('size')} "
+                "(truncated or replaced after it was saved)"
+            )
+        if actual["sha256"] != entry.get("sha256"):
+            raise CheckpointError(
+                f"{file}: sha256 {actual['sha256'][:16]}... does not match the manifest's "
+                f"{str(entry.get('sha256'))[:16]}... (the file changed after it was saved)"
+            )
+    return manifest
+
+
+def read_latest(checkpoints: Path) -> tuple[str | None, str | None]:
+    """``(name, problem)``: what ``checkpoints/latest`` names, or why it names nothing usable
+    (``problem`` is None when the file is simply absent)."""
+    latest = checkpoints / "latest"
+    if not latest.is_file():
+        return None, None
+    data = latest.read_bytes()
+    try:
+        name = data.decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        return None, f"{latest}: not UTF-8 text ({err.reason} at byte {err.start})"
+    if not NAME.fullmatch(name):
+        return None, f"{latest}: {name[:80]!r} is not a checkpoint name (step-N)"
+    if not (checkpoints / name).is_dir():
+        return None, f"{latest}: names {name}, which does not exist"
+    return name, None
+
+
+def complete_checkpoints(checkpoints: Path) -> list[Path]:
+    """Checkpoint directories (not temporary ones), newest first."""
+    if not checkpoints.is_dir():
+        return []
+    found = [p for p in checkpoints.iterdir() if p.is_dir() and NAME.fullmatch(p.name)]
+    return sorted(found, key=lambda p: sort_key(p.name), reverse=True)
+
+
+@dataclass
+class ResumePoint:
+    directory: Path
+    manifest: dict[str, Any]
+
+
+def find_resume_point(checkpoints: Path, resume: str | None) -> ResumePoint | None:
+    """The checkpoint ``--resume`` starts from, verified; ``None``: start afresh.
+
+    ``--resume DIR``: that checkpoint or an error. ``--resume auto``: what ``latest`` names;
+    when it is absent, garbled or names a damaged checkpoint, the newest intact one (with a
+    warning naming what was wrong); an error when checkpoints exist but none is intact.
+    Reads only: nothing is written or deleted here.
+    """
+    if not resume:
+        return None
+    if resume != "auto":
+        directory = Path(resume)
+        if directory.is_file():
+            directory = directory.parent
+        try:
+            return ResumePoint(directory, verify(directory))
+        except CheckpointError as err:
+            raise CheckpointError(f"--resume {resume}: {err}") from err
+    name, problem = read_latest(checkpoints)
+    problems = [problem] if problem else []
+    missing = f"{checkpoints / 'latest'} is missing"
+    if name is not None:
+        try:
+            return ResumePoint(checkpoints / name, verify(checkpoints / name))
+        except CheckpointError as err:
+            problems.append(str(err))
+    for directory in complete_checkpoints(checkpoints):
+        if directory.name == name:
+            continue
+        try:
+            manifest = verify(directory)
+        except CheckpointError as err:
+            problems.append(str(err))
+            continue
+        why = "; ".join(problems) if problems else missing
+        warn(f"{why}; resuming from the newest intact checkpoint {directory}")
+        return ResumePoint(directory, manifest)
+    if problems:
+        raise CheckpointError(
+            f"--resume auto: no intact checkpoint in {checkpoints}: "
+            + "; ".join(problems)
+            + ". Nothing was changed; restore a checkpoint, or start afresh with --overwrite"
+        )
+    return None
+
+
+# --- options that changed since the checkpoint -------------------------------------------------
+
+#: Never compared: where the run writes, how it reports, and resume's own switches.
+UNCOMPARED = frozenset(
+    {
+        "config",
+        "output_dir",
+        "resume",
+        "overwrite",
+        "allow_config_change",
+        "debug",
+        "demo",
+        "progress",
+        "plots",
+        "workers",
+        "device",
+        "check_audio",
+        "eval_batch_size",
+        "save_every_steps",
+        "keep_checkpoints",
+        "contain_audio_paths",
+        "audio_root",
+        "ced_checkpoint",
+        "mlclap_checkpoint",
+        "sonar",
+        "sonar_weights",
+    }
+)
+#: Changes that are only warned about, with their consequence.
+LENGTH = "the learning-rate schedule is recomputed for the new length from the resumed step on"
+WARN_ONLY = {
+    "epochs": LENGTH,
+    "max_steps": LENGTH,
+    "test_manifest": "later evaluations (and the best model) use the new test set",
+    "eval_max_seconds": "later evaluations crop the test clips differently",
+    "select_metric": "the best model is chosen by another metric from now on",
+    "train_manifest": "the rest of the run trains on the data this manifest lists",
+}
+CONSEQUENCES = {
+    "lr": "the learning rate follows the new peak from the resumed step on",
+    "schedule": "the learning-rate schedule changes from the resumed step on",
+    "warmup_steps": "the learning-rate schedule changes from the resumed step on",
+    "min_lr_ratio": "the learning-rate schedule changes from the resumed step on",
+    "step_epochs": "the learning-rate schedule changes from the resumed step on",
+    "step_gamma": "the learning-rate schedule changes from the resumed step on",
+    "weight_decay": "the optimizer uses the new weight decay from the resumed step on",
+    "batch_size": "steps per epoch change, so the resumed epoch position no longer matches",
+    "seed": "the data order and crops of the remaining epochs change",
+}
+DEFAULT_CONSEQUENCE = (
+    "the rest of the run differs from the run that wrote the checkpoint (and may not load)"
+)
+
+
+def _norm(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, str]]:
+    """``[(option, message)]`` for each compared option whose value changed; options only
+    warned about come first with ``message`` prefixed by ``warn:``."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        if key in UNCOMPARED or key not in saved or key not in current:
+            continue
+        old, new = _norm(saved[key]), _norm(current[key])
+        if old == new:
+            continue
+        option = "--" + key.replace("_", "-")
+        kind = "warn" if key in WARN_ONLY else "refuse"
+        consequence = WARN_ONLY.get(key) or CONSEQUENCES.get(key, DEFAULT_CONSEQUENCE)
+        out.append((kind, f"{option} {old!r} -> {new!r}: {consequence}"))
+    return sorted(out, key=lambda item: item[0] != "warn")
+
+
+def check_config(saved: dict[str, Any], current: dict[str, Any], allow: bool) -> list[str]:
+    """The warnings to print for changed options; raises for changes that need
+    ``--allow-config-change`` when it is not given."""
+    changes = config_changes(saved, current)
+    refused = [message for kind, message in changes if kind == "refuse"]
+    if refused and not allow:
+        raise CheckpointError(
+            "--resume: options differ from the checkpoint's run: "
+            + "; ".join(refused)
+            + ". Resume with the checkpoint's values, or pass --allow-config-change"
+        )
+    return [message for _, message in changes]
+
+
+# --- save, prune, load -------------------------------------------------------------------------
+
+
+class CheckpointStore:
+    """Writes, prunes and loads the checkpoints of one run (every rank holds one)."""
+
+    def __init__(self, out: Path, rank: int, world: int, keep: int) -> None:
+        self.dir = out / "checkpoints"
+        self.rank, self.world, self.is_main = rank, world, rank == 0
+        self.keep = max(keep, 1)
+        #: The checkpoint the run resumed from or last published (``latest``'s content).
+        self.published: str | None = None
+        self.published_step: int | None = None
+
+    def new_name(self, step: int) -> str:
+        """``step-N``, or ``step-N.k`` when ``step-N`` is the published checkpoint: a
+        published checkpoint is never rewritten. Others of that name (never published, or
+        damaged ones a resume fell back from) are replaced."""
+        base = name = f"step-{step:08d}"
+        k = 0
+        while (self.dir / name).exists():
+            if name != self.published:
+                remove_tree(self.dir / name)
+                break
+            k += 1
+            name = f"{base}.{k}"
+        return name
+
+    def save(
+        self,
+        name: str,
+        state: Callable[[], dict[str, Any]],
+        rng: dict[str, Any],
+        meta: dict[str, Any],
+        before_publish: Callable[[], None],
+    ) -> Path:
+        """Write ``name`` crash-consistently and point ``latest`` at it (every rank calls).
+
+        The files and then the manifest go to a temporary directory (each fsynced), which is
+        renamed into place and only then named by ``latest`` (replaced atomically). A kill at
+        any moment leaves ``latest`` naming a complete checkpoint (or absent before the first).
+        """
+        tmp = self.dir / f"{TMP_PREFIX}{name}"
+        if self.is_main:
+            remove_tree(tmp)
+            tmp.mkdir(parents=True)
+        if self.world > 1:
+            dist.barrier()
+        directory = self.dir / name
+        try:
+            atomic_torch_save(rng, tmp / f"rng-rank{self.rank}.pt")
+            if self.world > 1:
+                dist.barrier()
+            if self.is_main:
+                atomic_torch_save(state(), tmp / "state.pt")
+                write_manifest(tmp, name, meta)
+                os.rename(tmp, directory)
+        except Exception:
+            remove_tree(tmp)  # a full disk: leave no half checkpoint (a kill: the next start)
+            raise
+        if self.is_main:
+            fsync_dir(self.dir)
+            before_publish()
+            atomic_write_text(self.dir / "latest", name)
+            self.prune(name)
+        self.published, self.published_step = name, int(meta["step"])
+        if self.world > 1:
+            dist.barrier()
+        return directory
+
+    def prune(self, latest: str) -> None:
+        """Keep the ``keep`` newest checkpoints up to ``latest``; newer ones (damaged ones a
+        resume fell back from) are left to be replaced when the run reaches their step."""
+        limit = sort_key(latest)
+        older = [p for p in complete_checkpoints(self.dir) if sort_key(p.name) <= limit]
+        for old in older[self.keep :]:
+            remove_tree(old)
+
+    @staticmethod
+    def load(path: Path, map_location: Any, required: Sequence[str]) -> dict[str, Any]:
+        """``torch.load(weights_only=True)`` (a checkpoint holds tensors and plain types only,
+        so a crafted file cannot run code), with errors that name the file."""
+        try:
+            data = torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as err:
+            # torch's message suggests weights_only=False: never relay that.
+            detail = next(
+                (line.strip() for line in str(err).splitlines() if "Unsupported" in line), ""
+            ).split(" Please")[0]
+            raise CheckpointError(
+                f"--resume: {path} is not a checkpoint this trainer wrote: it holds objects "
+                f"other than tensors and plain Python types, and is refused"
+                + (f" ({detail})" if detail else "")
+            ) from None
+        except Exception as err:  # torch's unpickler fails in many ways on garbage
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(
+                f"--resume: cannot read {path}: not a torch checkpoint or damaged ({first})"
+            ) from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"--resume: {path} holds a {type(data).__name__}, not a dict")
+        missing = [key for key in required if key not in data]
+        if missing:
+            raise CheckpointError(
+                f"--resume: {path} lacks {', '.join(repr(k) for k in missing)} "
+                "(not a complete checkpoint of this trainer)"
+            )
+        return data
+
+
+# --- resume: which checkpoint, and loading it into the run ---------------------------------------
+
+
+def resume_point(
+    out: Path, args: argparse.Namespace, is_main: bool, world: int
+) -> ResumePoint | None:
+    """The verified checkpoint to start from (rank 0 decides, every rank gets the same answer
+    or the same error), after checking the output directory and the options that changed."""
+    from .startup import output_dir_problem
+
+    answer: tuple[str, Any] = ("ok", None)
+    if is_main:
+        try:
+            problem = output_dir_problem(out, args)
+            if problem:
+                raise FileExistsError(problem)
+            point = find_resume_point(out / "checkpoints", args.resume)
+            if point is not None:
+                saved = point.manifest.get("args", {})
+                current = json.loads(json.dumps(vars(args), default=str))
+                for message in check_config(saved, current, args.allow_config_change):
+                    warn(f"--resume: option changed since the checkpoint: {message}")
+            answer = ("ok", point)
+        except (CheckpointError, FileExistsError) as err:
+            answer = (type(err).__name__, str(err))
+    kind, value = from_main(answer, world)
+    if kind == "FileExistsError":
+        raise FileExistsError(value)
+    if kind != "ok":
+        raise CheckpointError(value)
+    return value
+
+
+def load_modules(
+    path: Path,
+    state: dict[str, Any],
+    model: nn.Module,
+    loss_fn: nn.Module,
+    bank: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+) -> None:
+    """``state.pt``'s weights and optimizer state into the run's objects, or an error naming
+    the file when they do not fit."""
+    try:
+        model.load_state_dict(state["model"])
+        loss_fn.load_state_dict(state["loss"])
+        if bank is not None and "bank" in state:
+            bank.load_state_dict(state["bank"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as err:
+        first = str(err).splitlines()[0]
+        raise CheckpointError(
+            f"--resume: {path} does not fit this run's model, loss or optimizer ({first})"
+        ) from None
+
+
+def reset_schedule(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    args: argparse.Namespace,
+    factor: Callable[[int], float],
+) -> None:
+    """The learning rate (and weight decay) of the resumed step under the current options:
+    the loaded value when they did not change; no step at the old schedule's rate when
+    --epochs or --lr did."""
+    scheduler.base_lrs = [args.lr for _ in optimizer.param_groups]
+    share = factor(scheduler.last_epoch)
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["initial_lr"] = base
+        group["lr"] = base * share
+        group["weight_decay"] = args.weight_decay
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def rng_state(lang_gen: torch.Generator) -> dict[str, Any]:
+    """Every random stream of this rank, as tensors and plain values."""
+    version, words, gauss = random.getstate()
+    return {
+        "python": {
+            "version": version,
+            "state": torch.tensor(words, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "lang_gen": lang_gen.get_state(),
+    }
+
+
+def restore_rng(path: Path, lang_gen: torch.Generator, is_main: bool) -> None:
+    if not path.is_file():
+        if is_main:
+            print(f"[resume] {path} missing: RNG streams restart (not an exact resume)")
+        return
+    rng = CheckpointStore.load(path, "cpu", REQUIRED_RNG)
+    try:
+        python = rng["python"]
+        if isinstance(python, dict):
+            python = (python["version"], tuple(python["state"].tolist()), python["gauss"])
+        random.setstate(python)
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        lang_gen.set_state(rng["lang_gen"])
+    except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as err:
+        raise CheckpointError(f"--resume: {path}: not a valid RNG state ({err})") from None
+
+
+def check_finite(module: nn.Module, step: int, latest: str | None) -> None:
+    """Refuse to save non-finite weights (the latest checkpoint stays as it was)."""
+    with torch.no_grad():
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        bad = [
+            name
+            for name, t in tensors
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())
+        ]
+    if bad:
+        raise RuntimeError(
+            f"refusing to save a checkpoint at step {step}: non-finite weights in "
+            f"{bad[:5]}{'...' if len(bad) > 5 else ''}; the latest checkpoint "
+            f"({latest}) is left as it was"
+        )
+
+
+def already_complete(
+    out: Path, manifest: dict[str, Any], epochs: int, total_steps: int, is_main: bool, world: int
+) -> bool:
+    """The checkpoint closes the run's last epoch and the summary was written: say so."""
+    step, epoch = int(manifest.get("step", -1)), int(manifest.get("epoch", -1))
+    done = epoch >= epochs or (step >= total_steps and bool(manifest.get("closed")))
+    if done:  # a kill after the last checkpoint: the plots and summary are still due
+        summary_step = None
+        if is_main:
+            try:
+                summary_step = int(json.loads((out / "summary.json").read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        done = from_main(summary_step == step if is_main else None, world)
+    if done and is_main:
+        print(
+            f"[resume] the run in {out} is already complete (step {step}, epoch {epoch}); "
+            "nothing to do. Raise --epochs (or --max-steps) to train further."
+        )
+    return bool(done)

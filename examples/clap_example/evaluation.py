@@ -1,0 +1,209 @@
+"""Evaluation of the trainer: embedding clips and captions, ``retrieval_report`` on the test
+set, the selection metric and the best model; also the training-set embeddings ASK's bank is
+built from."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from .data import AudioOnlyDataset, Clip, collate, eval_captions
+from .durable import atomic_torch_save, atomic_write_text
+from .logs import flatten_metrics
+from .model import ClapModel
+from .objective import Trainable
+
+
+def _is_r1(key: str) -> bool:
+    lowered = key.lower().replace("@", "")
+    parts = lowered.split("/")
+    return (
+        any(part in ("r1", "recall1", "r_1") for part in parts)
+        and "mean" not in parts
+        and "average" not in parts
+    )
+
+
+class Evaluator:
+    """Embeds with the trainer's model; evaluates (rank 0) and keeps ``best/``."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        trainable: Trainable,
+        device: torch.device,
+        languages: Sequence[str],
+        test_clips: Sequence[Clip],
+        out: Path,
+    ) -> None:
+        self.args = args
+        self.trainable = trainable
+        self.model: ClapModel = trainable.model
+        self.device = device
+        self.languages = list(languages)
+        self.test_clips = list(test_clips)
+        self.out = out
+
+    def embed_audio(self, clips: Sequence[Clip], max_seconds: float | None) -> Tensor:
+        loader = DataLoader(
+            AudioOnlyDataset(clips, max_seconds),
+            batch_size=self.args.eval_batch_size,
+            collate_fn=collate,
+            num_workers=self.args.workers,
+            generator=torch.Generator().manual_seed(0),  # leave the global RNG alone
+        )
+        out = []
+        for batch in loader:
+            with self.trainable.autocast():
+                emb = self.model.encode_audio(
+                    batch["audio"].to(self.device), batch["lengths"].to(self.device)
+                )
+            out.append(emb.float())
+        return self._concat(out)
+
+    def _concat(self, chunks: list[Tensor]) -> Tensor:
+        """The chunks' embeddings as one ``(N, E)`` tensor (``(0, E)`` for no chunk)."""
+        if not chunks:
+            return torch.zeros(0, self.model.embed_dim, device=self.device)
+        return torch.cat(chunks)
+
+    def embed_texts(self, texts: Sequence[str], langs: Sequence[str]) -> Tensor:
+        out = []
+        size = self.args.eval_batch_size
+        for start in range(0, len(texts), size):
+            tokens = self.model.text.tokenize(
+                texts[start : start + size], langs[start : start + size]
+            )
+            with self.trainable.autocast():
+                emb = self.model.encode_text(
+                    tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
+                )
+            out.append(emb.float())
+        return self._concat(out)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """``retrieval_report`` on the test manifest (rank 0; the others wait)."""
+        from contrastive_losses.metrics import retrieval_report
+
+        was_training = self.model.training
+        self.model.eval()
+        audio = self.embed_audio(self.test_clips, self.args.eval_max_seconds)
+        texts, langs, c = eval_captions(self.test_clips, self.languages, self.args.test_manifest)
+        text = self.embed_texts(texts, langs)
+        text = text.view(len(self.test_clips), len(self.languages), c, -1)
+        n = len(self.test_clips)
+        report = retrieval_report(
+            audio,
+            text,
+            languages=self.languages,
+            k=tuple(k for k in (1, 5, 10) if k <= n),  # small test sets: no cut-off above N
+            map_k=min(10, n),
+        )
+        self.model.train(was_training)
+        return report
+
+    def select_value(self, metrics: dict[str, float]) -> float | None:
+        key = self.args.select_metric
+        if key != "mean_r1":
+            return metrics.get(key)
+        r1 = [v for k, v in metrics.items() if _is_r1(k)]
+        return float(np.mean(r1)) if r1 else None
+
+    def report_metrics(self, report: Any, step: int) -> dict[str, float]:
+        """Flattened metrics of ``report``; its table printed and kept in ``eval/``."""
+        wanted = ("per_language", "average", "mrv")
+        if isinstance(report, dict) and all(key in report for key in wanted):
+            metrics = flatten_metrics({key: report[key] for key in wanted})
+        else:
+            metrics = flatten_metrics(report)
+        if hasattr(report, "to_markdown"):
+            table = report.to_markdown()
+            print(table)
+            (self.out / "eval").mkdir(exist_ok=True)
+            atomic_write_text(self.out / "eval" / f"step-{step:08d}.md", table + "\n")
+        return metrics
+
+    def save_best(
+        self, loss_fn: torch.nn.Module, step: int, epoch: int, metrics: dict[str, float]
+    ) -> None:
+        best = self.out / "best"
+        best.mkdir(exist_ok=True)
+        # A kill between these files is repaired on resume: the checkpoint before this
+        # evaluation repeats it.
+        atomic_torch_save(
+            {
+                "model": self.model.state_dict(),
+                "loss": loss_fn.state_dict(),
+                "step": step,
+                "epoch": epoch,
+                "metrics": metrics,
+                "args": vars(self.args),
+            },
+            best / "state.pt",
+        )
+        atomic_write_text(best / "metrics.json", json.dumps(metrics, indent=2))
+
+    @torch.no_grad()
+    def embed_training_pairs(
+        self, train_clips: Sequence[Clip], langs: Sequence[str], rank: int, world: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's share of the training pairs, embedded with the current model.
+
+        Audio: the first ``--max-seconds`` of each clip. Captions: all captions in the languages
+        the loss trains on (``--pair-language``, or all of them for ``random``); every caption
+        is one bank row paired with its clip's audio and carrying the clip's id. Rank ``r``
+        embeds clips ``r, r + world, ...``; ``KnowledgeBank.build`` gathers the shards so every
+        rank ends with the same bank.
+        """
+        model = self.model
+        was_training = model.training
+        model.eval()
+        shard = list(range(rank, len(train_clips), world))
+        clips = [train_clips[i] for i in shard]
+        audio = self.embed_audio(clips, self.args.max_seconds)
+        texts, text_langs, owners = [], [], []
+        for local, clip in enumerate(clips):
+            for lang in langs:
+                for caption in clip.captions.get(lang, []):
+                    texts.append(caption)
+                    text_langs.append(lang)
+                    owners.append(local)
+        text = self.embed_texts(texts, text_langs)
+        owner_t = torch.tensor(owners, dtype=torch.long, device=audio.device)
+        ids = torch.tensor([shard[i] for i in owners], dtype=torch.long, device=audio.device)
+        model.train(was_training)
+        return audio[owner_t], text, ids
+
+
+def build_bank_if_due(
+    bank: Any,
+    bank_epoch: int | None,
+    epoch: int,
+    evaluator: Evaluator,
+    train_clips: Sequence[Clip],
+    langs: Sequence[str],
+    rank: int,
+    world: int,
+) -> int | None:
+    """Build ASK's bank before the first epoch, refresh it when ``should_refresh(epoch)``;
+    returns the epoch the bank is from."""
+    due = bank_epoch is None or (epoch != bank_epoch and bool(bank.should_refresh(epoch)))
+    if not due:
+        return bank_epoch
+    audio, text, ids = evaluator.embed_training_pairs(train_clips, langs, rank, world)
+    bank.build(audio, text, ids, gather=world > 1)
+    if rank == 0:
+        what = "built" if epoch == 0 else "refreshed"
+        print(
+            f"[ask] knowledge bank {what} from {len(bank)} training pairs before epoch {epoch + 1}"
+        )
+    return epoch

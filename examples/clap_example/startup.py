@@ -1,0 +1,239 @@
+"""Start-up of a training run: everything that is checked before any folder is created (options,
+manifests, batch size, audio, models), then the output directory itself."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from .ced import CEDAudioEncoder, CEDConfig, load_ced_checkpoint
+from .data import (
+    Clip,
+    EpochBatchSampler,
+    ManifestError,
+    TrainDataset,
+    check_audio,
+    collate,
+    eval_captions,
+    read_manifest,
+    require_language,
+    require_other_language,
+)
+from .durable import TMP_PREFIX, remove_tree
+from .model import ClapModel, load_mlclap_checkpoint
+from .objective import text_mode
+from .sonar import load_sonar_encoder
+
+#: What a run writes in --output-dir (what --overwrite deletes).
+ARTEFACTS = (
+    "checkpoints",
+    "best",
+    "eval",
+    "plots",
+    "train_log.jsonl",
+    "train_log.csv",
+    "epoch_log.jsonl",
+    "summary.json",
+    "config.json",
+)
+
+
+@dataclass
+class RunData:
+    """The run's clips, batches and step counts."""
+
+    languages: list[str]
+    mode: str
+    train_clips: list[Clip]
+    test_clips: list[Clip]
+    train_set: TrainDataset
+    sampler: EpochBatchSampler
+    steps_per_epoch: int
+    total_steps: int
+
+
+def read_data(args: argparse.Namespace, rank: int, world: int) -> RunData:
+    """Manifests, caption languages and batch sizes checked; nothing is written."""
+    languages: list[str] = list(args.languages)
+    contain = args.contain_audio_paths
+    train_clips = read_manifest(args.train_manifest, languages, args.audio_root, contain=contain)
+    mode = text_mode(args)
+    if mode == "cacl":
+        require_language(train_clips, languages[0], "CACL", args.train_manifest)
+        require_other_language(train_clips, languages[0], args.train_manifest)
+    if mode == "fixed":
+        require_language(
+            train_clips,
+            args.pair_language,
+            f"--pair-language {args.pair_language}",
+            args.train_manifest,
+        )
+    test_clips: list[Clip] = []
+    if args.test_manifest:
+        test_clips = read_manifest(args.test_manifest, languages, args.audio_root, contain=contain)
+        eval_captions(test_clips, languages, args.test_manifest)  # validate early
+    train_set = TrainDataset(train_clips, languages, args.max_seconds, args.seed)
+    sampler = EpochBatchSampler(
+        len(train_set), args.batch_size, seed=args.seed, rank=rank, world_size=world
+    )
+    steps_per_epoch = len(sampler.batches())
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"--batch-size {args.batch_size}: the training set has {len(train_set)} clips, "
+            f"fewer than one full batch per process ({world} process(es))"
+        )
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+    return RunData(
+        languages, mode, train_clips, test_clips, train_set, sampler, steps_per_epoch, total_steps
+    )
+
+
+def output_dir_problem(out: Path, args: argparse.Namespace) -> str | None:
+    """Why ``out`` cannot be used as it is (a file; not empty without --resume/--overwrite)."""
+    if out.exists() and not out.is_dir():
+        return f"--output-dir {out} is a file, not a directory"
+    if out.is_dir():
+        entries = sorted(p.name for p in out.iterdir())
+        if entries and not args.resume and not args.overwrite:
+            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+            return (
+                f"--output-dir {out} is not empty ({shown}): pass --resume auto to "
+                "continue the run in it, --overwrite to delete its logs and "
+                "checkpoints and start afresh, or choose another --output-dir"
+            )
+    return None
+
+
+def prepare_output_dir(out: Path, overwrite: bool) -> None:
+    """Create the folders (after every check passed); --overwrite clears the earlier run's
+    files, and a killed run's temporary files go."""
+    if overwrite and out.is_dir():
+        for name in ARTEFACTS:
+            remove_tree(out / name)
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    for folder in (out, out / "checkpoints", out / "best"):
+        if folder.is_dir():  # temp files of a killed run
+            for stale in folder.glob(f"{TMP_PREFIX}*"):
+                remove_tree(stale)
+
+
+def check_clips(args: argparse.Namespace, data: RunData, rank: int, world: int) -> None:
+    """Decode every clip once before training (--check-audio), each rank a share."""
+    mode = args.check_audio
+    if mode == "off":
+        return
+    clips = data.train_clips + data.test_clips
+    started = time.time()
+    problems = check_audio(clips[rank::world], decode=mode == "full", workers=args.workers)
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, problems)
+        problems = [p for part in gathered for p in part]
+    if problems:
+        raise ManifestError(
+            f"{len(problems)} unusable audio file(s) (--check-audio {mode}): "
+            + "; ".join(problems[:10])
+            + ("; ..." if len(problems) > 10 else "")
+        )
+    if rank == 0:
+        print(
+            f"[check-audio] {len(clips)} clips {'decoded' if mode == 'full' else 'opened'} "
+            f"in {time.time() - started:.1f} s"
+        )
+
+
+def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    if amp == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
+
+
+def build_model(args: argparse.Namespace) -> ClapModel:
+    ced_config = CEDConfig.from_dict({"size": args.ced_size, **args.ced_config})
+    audio = CEDAudioEncoder(ced_config)
+    if args.ced_checkpoint:
+        load_ced_checkpoint(audio, args.ced_checkpoint)
+    text = load_sonar_encoder(
+        args.sonar,
+        weights=args.sonar_weights,
+        max_length=args.text_max_length,
+        config_overrides=args.sonar_config,
+    )
+    model = ClapModel(audio, text, args.embed_dim)
+    if args.mlclap_checkpoint:
+        load_mlclap_checkpoint(model, args.mlclap_checkpoint)
+    return model
+
+
+def lr_factor(args: argparse.Namespace, steps_per_epoch: int, total_steps: int, step: int) -> float:
+    """The learning rate of ``step`` as a share of --lr."""
+    if args.warmup_steps and step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.schedule == "constant":
+        return 1.0
+    if args.schedule == "step":
+        return float(args.step_gamma ** ((step // steps_per_epoch) // args.step_epochs))
+    span = max(total_steps - args.warmup_steps, 1)
+    progress = min(max(step - args.warmup_steps, 0) / span, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return args.min_lr_ratio + (1.0 - args.min_lr_ratio) * cosine
+
+
+def build_optimizer(
+    args: argparse.Namespace,
+    params: list[torch.nn.Parameter],
+    factor: Any,
+    device: torch.device,
+    amp: torch.dtype | None,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, torch.amp.GradScaler]:
+    """--optimizer with the schedule ``factor(step)`` and the fp16 grad scaler."""
+    opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    optimizer = opt_cls(params, lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
+    return optimizer, scheduler, scaler
+
+
+def epoch_loader(
+    args: argparse.Namespace,
+    train_set: TrainDataset,
+    sampler: EpochBatchSampler,
+    steps_per_epoch: int,
+    epoch: int,
+    batch_in_epoch: int,
+    device: torch.device,
+    is_main: bool,
+) -> tuple[DataLoader, Any]:
+    """The loader of ``epoch``'s remaining batches and its progress bar."""
+    from tqdm.auto import tqdm
+
+    train_set.set_epoch(epoch)
+    sampler.set_epoch(epoch, batch_in_epoch)
+    loader = DataLoader(
+        train_set,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        # The loader draws its workers' base seed from this generator, not from the
+        # global RNG: creating the iterator after a resume must not shift dropout.
+        generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch),
+    )
+    bar = tqdm(
+        total=steps_per_epoch,
+        initial=batch_in_epoch,
+        desc=f"epoch {epoch + 1}/{args.epochs}",
+        disable=not (is_main and args.progress),
+        dynamic_ncols=True,
+    )
+    return loader, bar

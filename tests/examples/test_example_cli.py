@@ -1,0 +1,156 @@
+"""The trainer as a newcomer meets it (issue 18, items 5, 7 and 9): the CPU demo learns, command
+line errors are one line with exit code 2, a second Ctrl-C says what it does, ``--help``
+shows each default once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from clap_example.config import build_parser
+from clap_example.train import Trainer
+from test_example_reliability import help_blocks, run
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "finetune_ced_sonar.py"
+
+
+def cli(
+    *argv: str, timeout: float = 600, threads: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "examples")])}
+    if threads:  # under pytest -n 2 another worker holds the second core
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+
+
+# --- 5. the demo ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_demo_learns_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    started = time.time()
+    result = cli("--demo", "--output-dir", str(out), threads=1)
+    seconds = time.time() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert seconds < 300
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("done") and str(out) in last, last
+    epochs = [
+        json.loads(line) for line in (out / "run" / "epoch_log.jsonl").read_text().splitlines()
+    ]
+    first, final = epochs[0]["train_loss"], epochs[-1]["train_loss"]
+    assert final <= 0.7 * first, (first, final)
+    metrics = epochs[-1]["metrics"]
+    t2a = [v for k, v in metrics.items() if k.endswith("/t2a/R@1") and "per_language" in k]
+    assert len(t2a) == 3 and sum(t2a) / len(t2a) >= 0.4, t2a
+    assert (out / "run" / "plots").is_dir()
+
+
+def test_the_demo_is_the_command_after_the_install_in_the_readme() -> None:
+    set_up = (REPO / "README.md").read_text().split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    assert "python examples/finetune_ced_sonar.py --demo --output-dir" in set_up
+
+
+# --- 7. errors on the command line ------------------------------------------------------------
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture
+def config_file(tmp_path: Path, base_config: dict[str, Any]) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**base_config, "test_manifest": None, "max_steps": 1}))
+    return path
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path: Path, config_file: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "something").write_text("x")
+    one_line_error(cli("--config", str(config_file), "--output-dir", str(out)), "not empty")
+    one_line_error(
+        cli("--config", str(config_file), "--output-dir", str(out), "--resume", "auto",
+            "--overwrite"),
+        "--overwrite",
+    )  # fmt: skip
+    one_line_error(
+        cli("--config", str(config_file), "--output-dir", str(tmp_path / "o2"), "--batch-size",
+            "100"),
+        "--batch-size",
+    )  # fmt: skip
+    one_line_error(cli("--config", str(config_file), "--loss", "nope"), "--loss")
+    assert not (tmp_path / "o2").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path: Path, config_file: Path) -> None:
+    result = cli(
+        "--config", str(config_file), "--output-dir", str(tmp_path / "o"), "--batch-size", "100",
+        "--debug",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr
+
+
+# --- 9. a second Ctrl-C, --help ---------------------------------------------------------------
+
+
+def test_a_second_ctrl_c_says_it_stops_without_saving_and_where_a_resume_restarts(
+    tmp_path: Path,
+    base_config: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def not_handled(*_: Any) -> None:
+        raise RuntimeError("the trainer did not handle the signal")
+
+    previous = signal.signal(signal.SIGINT, not_handled)
+    original = Trainer.train_step
+
+    def twice(self: Trainer, batch: Any) -> Any:
+        record = original(self, batch)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    try:
+        monkeypatch.setattr(Trainer, "train_step", twice)
+        with pytest.raises(SystemExit) as info:
+            run(tmp_path / "run", base_config, loss="infonce", save_every_steps=2,
+                test_manifest=None)  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert info.value.code == 130
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert "without saving" in text
+    assert "step-00000002" in text and "step 2" in text
+
+
+def test_help_shows_each_default_once() -> None:
+    blocks = help_blocks(build_parser().format_help())
+    twice = {name: block for name, block in blocks.items() if block.count("(default") > 1}
+    assert not twice, twice
