@@ -237,6 +237,7 @@ UNCOMPARED = frozenset(
         "mlclap_checkpoint",
         "sonar",
         "sonar_weights",
+        "loss_chunk_size",  # exact: the same loss and gradients, only the memory differs
     }
 )
 #: Changes that are only warned about, with their consequence.

@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--svr-radius-init", type=float, default=None, help="initial radius (None: the loss's)"
     )
     g.add_argument("--temperature", type=float, default=0.07, help="softmax temperature")
+    g.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        default=None,
+        help="tile the loss's B x B logits in column blocks of this size (exact, memory "
+        "O(B x chunk); see docs 'Large batches'); not for ask",
+    )
     _add_flag(g, "--learnable-temperature", False, "infonce/mlclap: learn the temperature")
     g.add_argument(
         "--kcl-negatives",
@@ -370,5 +377,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-nonfinite-steps: expected >= 1, got {args.max_nonfinite_steps}")
     if args.resume and args.overwrite:
         raise ValueError("--overwrite and --resume exclude each other: keep one")
+    if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
+        raise ValueError(f"--loss-chunk-size: expected >= 1, got {args.loss_chunk_size}")
+    if args.loss_chunk_size is not None and args.loss == "ask":
+        raise ValueError("--loss-chunk-size: tiles infonce/siglip/mlclap/kcl/cacl, not ask")
     if args.grad_cache_chunk is not None and args.grad_cache_chunk < 1:
         raise ValueError(f"--grad-cache-chunk: expected >= 1, got {args.grad_cache_chunk}")

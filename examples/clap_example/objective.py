@@ -41,16 +41,21 @@ def build_loss(args: argparse.Namespace) -> nn.Module:
             temperature=args.temperature,
         )
     base: nn.Module
+    chunk = args.loss_chunk_size
     if args.loss in ("infonce", "mlclap"):
         base = cl.InfoNCELoss(
-            temperature=args.temperature, learnable_temperature=args.learnable_temperature
+            temperature=args.temperature,
+            learnable_temperature=args.learnable_temperature,
+            chunk_size=chunk,
         )
     elif args.loss == "siglip":
-        base = cl.SigLIPLoss()
+        base = cl.SigLIPLoss(chunk_size=chunk)
     elif args.loss == "kcl":
-        base = cl.KCLLoss(temperature=args.temperature, negatives=args.kcl_negatives)
+        base = cl.KCLLoss(
+            temperature=args.temperature, negatives=args.kcl_negatives, chunk_size=chunk
+        )
     elif args.loss == "cacl":
-        base = cl.CACLLoss(temperature=args.temperature)
+        base = cl.CACLLoss(temperature=args.temperature, chunk_size=chunk)
     else:
         raise ValueError(f"--loss: unknown {args.loss!r}")
     if args.svr == "none":

@@ -102,6 +102,11 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path: Path, config_file: P
         "--batch-size",
     )  # fmt: skip
     one_line_error(cli("--config", str(config_file), "--loss", "nope"), "--loss")
+    for bad in (["--loss-chunk-size", "0"], ["--loss", "ask", "--loss-chunk-size", "64"]):
+        one_line_error(
+            cli("--config", str(config_file), "--output-dir", str(tmp_path / "o2"), *bad),
+            "--loss-chunk-size",
+        )
     assert not (tmp_path / "o2").exists()
 
 

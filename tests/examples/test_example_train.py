@@ -226,6 +226,19 @@ def test_grad_cache_run_matches_the_plain_run(tmp_path: Path, base_config: dict[
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
+def test_loss_chunk_size_run_matches_the_dense_run(
+    tmp_path: Path, base_config: dict[str, Any]
+) -> None:
+    """--loss-chunk-size tiles the loss (exact): the same losses and gradient norms, with
+    KCL's masked captions and SVR's dynamic radius on top."""
+    common = {"loss": "kcl", "svr": "dynamic", "max_steps": 3, "test_manifest": None}
+    run(tmp_path, base_config, "dense", **common)
+    run(tmp_path, base_config, "tiled", loss_chunk_size=2, **common)
+    for a, b in zip(steps(tmp_path / "dense"), steps(tmp_path / "tiled"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
 def test_bf16_autocast_runs(tmp_path: Path, base_config: dict[str, Any]) -> None:
     """The AMP path (bf16 autocast, float32 front end and loss) on CPU."""
     run(tmp_path, base_config, "amp", loss="cacl", amp="bf16", max_steps=2, test_manifest=None)
