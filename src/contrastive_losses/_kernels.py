@@ -222,12 +222,23 @@ def _diagonal_strip(p: Tensor, shift: int) -> tuple[Tensor, int]:
     return strip, max(0, -shift)
 
 
+def _tile_logits(xc: Tensor, yt: Tensor) -> Tensor:
+    """``xc @ yt.mT`` ``(Q, b, c)`` for ``xc`` ``(b, D)`` shared by the ``Q`` problems or
+    ``(Q, b, D)``. A shared ``xc`` takes one GEMM, ``(b, D) @ (D, Q*c)``, viewed as
+    ``(Q, b, c)``: ``matmul``'s broadcasting computes the transposed product and copies
+    it, a pass over the tile that cost as much as the GEMM itself."""
+    if xc.dim() == 3:
+        return xc @ yt.mT
+    q, c, d = yt.shape
+    return (xc @ yt.reshape(q * c, d).T).view(xc.shape[0], q, c).transpose(0, 1)
+
+
 def _masked_tile(
     xc: Tensor, yc: Tensor, c0: int, c1: int, row_valid: Tensor | None, col_valid: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
     """Logits ``(Q, b, c)`` of columns ``[c0, c1)``, ``-inf`` at invalid entries, and
     the tile's validity (``None``: all valid)."""
-    s = xc @ yc[:, c0:c1].mT
+    s = _tile_logits(xc, yc[:, c0:c1])
     valid = _tile_valid(row_valid, col_valid, c0, c1)
     if valid is not None:
         s = s.masked_fill_(~valid, float("-inf"))
@@ -389,10 +400,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
             yt = yc[:, c0:c1]
-            s = xc @ yt.mT  # (Q, b, c)
-            valid = _tile_valid(row_valid, col_valid, c0, c1)
-            if valid is not None:
-                s = s.masked_fill_(~valid, float("-inf"))
+            s, valid = _masked_tile(xc, yc, c0, c1, row_valid, col_valid)  # (Q, b, c)
             p = (s - row_lse[..., None]).exp_().mul_(g_row[..., None])
             if symmetric:
                 p.add_(s.sub_(col_lse[:, None, c0:c1]).exp_().mul_(g_all[:, None, c0:c1]))
@@ -411,9 +419,11 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 if symmetric:
                     w = w + col_coef[:, offset + i0 : offset + i0 + strip.shape[-1]]
                 strip.sub_(w)
-            if grad_x is not None:
-                gx = p @ yt  # (Q, b, D)
-                grad_x += gx if xc.dim() == 3 else gx.sum(0)
+            if grad_x is not None and xc.dim() == 3:
+                grad_x += p @ yt  # (Q, b, D)
+            elif grad_x is not None:  # shared rows: one GEMM sums over the Q problems
+                q, c, d = yt.shape
+                grad_x += p.transpose(0, 1).reshape(p.shape[1], q * c) @ yt.reshape(q * c, d)
             if grad_y is not None:
                 grad_y[:, c0:c1] = p.mT @ xc
         gx_out = None if grad_x is None else grad_x.to(x.dtype)
