@@ -420,10 +420,10 @@ class _TiledCrossEntropy(torch.autograd.Function):
                     w = w + col_coef[:, offset + i0 : offset + i0 + strip.shape[-1]]
                 strip.sub_(w)
             if grad_x is not None and xc.dim() == 3:
-                grad_x += p @ yt  # (Q, b, D)
+                grad_x.baddbmm_(p, yt)  # (Q, b, D), accumulated in place
             elif grad_x is not None:  # shared rows: one GEMM sums over the Q problems
                 q, c, d = yt.shape
-                grad_x += p.transpose(0, 1).reshape(p.shape[1], q * c) @ yt.reshape(q * c, d)
+                grad_x.addmm_(p.transpose(0, 1).reshape(p.shape[1], q * c), yt.reshape(q * c, d))
             if grad_y is not None:
                 grad_y[:, c0:c1] = p.mT @ xc
         gx_out = None if grad_x is None else grad_x.to(x.dtype)
@@ -478,7 +478,7 @@ class _TiledSigmoid(torch.autograd.Function):
             d = _flip_positives(d.sigmoid_(), offset, row_ids, col_ids, c0, c1)
             d.mul_(g[:, None])
             grad_bias += d.sum()
-            grad_xs += d @ yc[c0:c1]
+            grad_xs.addmm_(d, yc[c0:c1])
             grad_y[c0:c1] = d.T @ xs
         grad_scale = (grad_xs * xc).sum()  # sum_ij d_ij <x_i, y_j>
         return (
