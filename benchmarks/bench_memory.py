@@ -477,6 +477,8 @@ def plot(mem: list[dict[str, Any]], tim: list[dict[str, Any]], path: Path) -> No
     ax_t.set_ylabel("seconds (labels: tiled / dense)")
     for ax in (ax_m, ax_t):
         ax.set_xscale("log", base=2)
+        ticks = [2**i for i in range(10, 16)]
+        ax.set_xticks(ticks, [f"{b // 1024}k" for b in ticks])
         ax.set_yscale("log")
         ax.set_xlabel("batch size B")
         ax.grid(alpha=0.3, which="both")
