@@ -96,6 +96,21 @@ SPECS: dict[str, list[RowsSpec | MarkdownSpec]] = {
             ["target", ""],
         )
     ],
+    "memory": [
+        MarkdownSpec(
+            "targets_markdown",
+            "tiled (chunk_size) vs dense, dense SigLIP vs open_clip: the targets",
+            ["target"],
+            ["measured"],
+            ["goal", ""],
+        ),
+        MarkdownSpec(
+            "time_markdown",
+            "forward + backward time, ratio to the dense path",
+            ["loss", "impl", "B", "threads"],
+            ["time ratio to dense", "cpu ratio to dense"],
+        ),
+    ],
     "svr": [
         RowsSpec(
             "rows",
