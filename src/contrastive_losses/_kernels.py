@@ -532,11 +532,10 @@ def _tiled_top_negatives(
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
         s = x @ y[:, c0:c1].mT  # (Q, b, c)
-        invalid = torch.zeros(b, c1 - c0, dtype=torch.bool, device=x.device)
-        cols = rows + offset - c0
-        inside = (cols >= 0) & (cols < c1 - c0)
-        invalid[rows[inside], cols[inside]] = True  # the positive is not a negative
-        invalid = invalid.expand(q, -1, -1)
+        # The positive (column offset + r of row r) is not a negative; a comparison, not
+        # boolean indexing (which reads the indices back: a host sync).
+        cols = torch.arange(c0, c1, device=x.device)
+        invalid = (cols[None, :] == (rows + offset)[:, None]).expand(q, -1, -1)
         if col_valid is not None:
             invalid = invalid | ~col_valid[:, None, c0:c1]
         low = torch.minimum(low, s.masked_fill(invalid, float("inf")).amin(-1))
