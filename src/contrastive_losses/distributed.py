@@ -3,7 +3,10 @@
 Every loss computes its *local* rows (this rank's samples) against the *global* batch
 (all ranks' samples), the "local loss" form of open_clip. Batch sizes may differ across
 ranks (the last batch of an epoch, a dataset that does not divide evenly): tensors are
-padded to the largest local batch, gathered, and the padding is cut off again.
+padded to the largest local batch, gathered, and the padding is cut off again. Finding the
+sizes is a small collective and a host sync; with the losses' value checks off
+(``validate_args=False``, or under ``torch.compile``) it is skipped and every rank must
+hold the same batch size.
 
 The returned loss on each rank is scaled so that the *average over ranks* — what
 ``DistributedDataParallel`` does to gradients — equals the single-process loss on the
