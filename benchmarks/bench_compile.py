@@ -138,32 +138,9 @@ def bench(name: str, batch: int, repeats: int, min_time: float) -> dict[str, obj
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--quick", action="store_true", help="B = 24, 3 repeats: a check, not a measurement"
-    )
-    parser.add_argument("--only", nargs="*", help="loss names (default: all)")
-    parser.add_argument("--out", type=Path, help="result file (default: see timing.results_path)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    batches = [24] if args.quick else [24, 256, 1024]
-    warm_up(0.5 if args.quick else 2.0)
-    rows = []
-    for name in args.only or LOSSES:
-        for batch in batches:
-            if args.quick:
-                row = bench(name, batch, repeats=3, min_time=0.0)
-            else:
-                row = bench(name, batch, repeats=41 if batch < 1024 else 11, min_time=4.0)
-            rows.append(row)
-            print(
-                f"{name:24s} B={batch:5d} on {row['checks_on_ms']:8.2f} ms  off "
-                f"{row['checks_off_ratio']:.3f}x  compiled {row['compiled_ratio']:.3f}x  "
-                f"(compile {row['compile_s']:.0f} s, {row['runs']} runs)",
-                flush=True,
-            )
-    md = markdown_table(
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of the result rows."""
+    return markdown_table(
         [
             "loss",
             "B",
@@ -186,6 +163,34 @@ def main() -> None:
             for r in rows
         ],
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--quick", action="store_true", help="B = 24, 3 repeats: a check, not a measurement"
+    )
+    parser.add_argument("--only", nargs="*", help="loss names (default: all)")
+    parser.add_argument("--out", type=Path, help="result file (default: see timing.results_path)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    batches = [24] if args.quick else [24, 256, 1024]
+    warm_up(0.5 if args.quick else 2.0)
+    rows: list[dict[str, Any]] = []
+    for name in args.only or LOSSES:
+        for batch in batches:
+            if args.quick:
+                row = bench(name, batch, repeats=3, min_time=0.0)
+            else:
+                row = bench(name, batch, repeats=41 if batch < 1024 else 11, min_time=4.0)
+            rows.append(row)
+            print(
+                f"{name:24s} B={batch:5d} on {row['checks_on_ms']:8.2f} ms  off "
+                f"{row['checks_off_ratio']:.3f}x  compiled {row['compiled_ratio']:.3f}x  "
+                f"(compile {row['compile_s']:.0f} s, {row['runs']} runs)",
+                flush=True,
+            )
+    md = table(rows)
     print()
     print(md)
     payload = {
