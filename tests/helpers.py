@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -94,3 +95,52 @@ def assert_ddp_average_matches(
     for i, x in enumerate(inputs, start=1):
         grad = torch.cat([r[name][i] for r in rank_results]) / world
         torch.testing.assert_close(grad, x.grad, rtol=1e-6, atol=1e-12)
+
+
+class HostSyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts the tensor calls that read a value back to the host (a host-device sync on
+    CUDA): ``.item()``, ``bool``/``float``/``int``/``index`` of a tensor, ``.tolist()``,
+    ``.numpy()``, ``nonzero``, ``torch.equal``/``allclose``/``is_nonzero`` and indexing
+    with a boolean tensor (which runs ``nonzero``). ``counts`` maps name -> calls."""
+
+    SYNCS: ClassVar[dict[Any, str]] = {
+        torch.Tensor.item: "item",
+        torch.Tensor.__bool__: "bool",
+        torch.Tensor.__float__: "float",
+        torch.Tensor.__int__: "int",
+        torch.Tensor.__index__: "index",
+        torch.Tensor.__complex__: "complex",
+        torch.Tensor.tolist: "tolist",
+        torch.Tensor.numpy: "numpy",
+        torch.Tensor.nonzero: "nonzero",
+        torch.nonzero: "nonzero",
+        torch.argwhere: "argwhere",
+        torch.masked_select: "masked_select",
+        torch.Tensor.masked_select: "masked_select",
+        torch.equal: "equal",
+        torch.allclose: "allclose",
+        torch.is_nonzero: "is_nonzero",
+        torch.unique: "unique",
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def _hit(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        name = self.SYNCS.get(func)
+        if name is not None:
+            self._hit(name)
+        elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                self._hit("bool_index")
+        return func(*args, **kwargs)

@@ -29,6 +29,7 @@ PUBLIC_ALL = {
         "functional",
         "metrics",
         "sample_languages",
+        "set_default_validate_args",
     ],
     "contrastive_losses.diagnostics": [
         "Forces",
@@ -87,34 +88,34 @@ SUBMODULES = [
 
 SIGNATURES = {
     "contrastive_losses.ASKLoss": (
-        "(bank: 'KnowledgeBank', k: 'int' = 10, injection_ratio: 'float' = 0.2, "
-        "ot_weight: 'float' = 0.2, lambda_fine: 'float' = 0.2, lambda_coarse: 'float'"
-        " = 0.3, epsilon: 'float' = 0.05, temperature: 'float' = 0.07, *, k_coarse: "
-        "'int' = 10, use_coarse: 'bool' = True, sinkhorn_iters: 'int' = 50, "
-        "detach_plan: 'bool' = True, normalize: 'bool' = True, reduction: 'str' = "
-        "'mean', gather: 'bool | None' = None) -> 'None'"
+        "(bank: 'KnowledgeBank', k: 'int' = 10, injection_ratio: 'float' = 0.2, ot_weight: "
+        "'float' = 0.2, lambda_fine: 'float' = 0.2, lambda_coarse: 'float' = 0.3, epsilon: "
+        "'float' = 0.05, temperature: 'float' = 0.07, *, k_coarse: 'int' = 10, use_coarse: 'bool' "
+        "= True, sinkhorn_iters: 'int' = 50, detach_plan: 'bool' = True, normalize: 'bool' = "
+        "True, reduction: 'str' = 'mean', gather: 'bool | None' = None, validate_args: 'bool | "
+        "None' = None) -> 'None'"
     ),
     "contrastive_losses.CACLLoss": (
-        "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, "
-        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' ="
-        " None, chunk_size: 'int | None' = None) -> 'None'"
+        "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, learnable_temperature: 'bool' "
+        "= False, max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None, validate_args: "
+        "'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.ContrastivePair": (
         "(audio: ForwardRef('Tensor'), text: ForwardRef('Tensor'), mask: "
         "ForwardRef('Tensor | None') = None)"
     ),
     "contrastive_losses.InfoNCELoss": (
-        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
-        "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str'"
-        " = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) ->"
-        " 'None'"
+        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, max_logit_scale: "
+        "'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
+        "None' = None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
+        "'None'"
     ),
     "contrastive_losses.KCLLoss": (
         "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
-        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' ="
-        " None, chunk_size: 'int | None' = None) -> 'None'"
+        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: "
+        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int "
+        "| None' = None, validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.KnowledgeBank": (
         "(dim: 'int', backend: 'str' = 'auto', num_prototypes: 'int' = 512, *, dtype:"
@@ -123,18 +124,19 @@ SIGNATURES = {
         "15, seed: 'int' = 0, chunk_size: 'int' = 65536) -> 'None'"
     ),
     "contrastive_losses.RadiusPredictor": (
-        "(num_features: 'int' = 32, hidden: 'int' = 64, radius_init: 'float' = 0.1) -> 'None'"
+        "(num_features: 'int' = 32, hidden: 'int' = 64, radius_init: 'float' = 0.1, *, "
+        "validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.SigLIPLoss": (
-        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: "
-        "'bool' = True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: "
-        "'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'"
+        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = True, "
+        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
+        "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.SupportVectorRegularizer": (
-        "(base: 'nn.Module', radius: 'str | float' = 'dynamic', direction: 'str' = "
-        "'bi', alpha: 'float' = 1.0, beta: 'float' = 0.01, constraint: 'bool | None' "
-        "= None, radius_init: 'float' = 0.1, num_features: 'int' = 32, hidden: 'int' "
-        "= 64, temperature: 'float | None' = None) -> 'None'"
+        "(base: 'nn.Module', radius: 'str | float' = 'dynamic', direction: 'str' = 'bi', alpha: "
+        "'float' = 1.0, beta: 'float' = 0.01, constraint: 'bool | None' = None, radius_init: "
+        "'float' = 0.1, num_features: 'int' = 32, hidden: 'int' = 64, temperature: 'float | None' "
+        "= None, *, validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.diagnostics.Forces": (
         "(pull: ForwardRef('Tensor'), push: ForwardRef('Tensor'), direction: "
@@ -160,33 +162,32 @@ SIGNATURES = {
         "(update: 'Tensor', pull: 'Tensor', *, eps: 'float' = 1e-12) -> 'Tensor'"
     ),
     "contrastive_losses.functional.ask": (
-        "(audio: 'Tensor', text: 'Tensor', fine_audio: 'Tensor', fine_text: 'Tensor',"
-        " coarse_audio: 'Tensor | None' = None, coarse_text: 'Tensor | None' = None, "
-        "*, injection_ratio: 'float' = 0.2, ot_weight: 'float' = 0.2, lambda_fine: "
-        "'float' = 0.2, lambda_coarse: 'float' = 0.3, epsilon: 'float' = 0.05, "
-        "temperature: 'float' = 0.07, sinkhorn_iters: 'int' = 50, detach_plan: 'bool'"
-        " = True, plan: 'Tensor | None' = None, normalize: 'bool' = True, reduction: "
-        "'str' = 'mean', return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
-        "dict[str, Tensor]]'"
+        "(audio: 'Tensor', text: 'Tensor', fine_audio: 'Tensor', fine_text: 'Tensor', "
+        "coarse_audio: 'Tensor | None' = None, coarse_text: 'Tensor | None' = None, *, "
+        "injection_ratio: 'float' = 0.2, ot_weight: 'float' = 0.2, lambda_fine: 'float' = 0.2, "
+        "lambda_coarse: 'float' = 0.3, epsilon: 'float' = 0.05, temperature: 'float' = 0.07, "
+        "sinkhorn_iters: 'int' = 50, detach_plan: 'bool' = True, plan: 'Tensor | None' = None, "
+        "normalize: 'bool' = True, reduction: 'str' = 'mean', return_terms: 'bool' = False, "
+        "validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
     ),
     "contrastive_losses.functional.cacl": (
-        "(audio: 'Tensor', english: 'Tensor', other: 'Tensor', temperature: 'float | "
-        "Tensor' = 0.07, *, normalize: 'bool' = True, reduction: 'str' = 'mean', "
-        "gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int"
-        " | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "(audio: 'Tensor', english: 'Tensor', other: 'Tensor', temperature: 'float | Tensor' = "
+        "0.07, *, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+        "None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, validate_args: "
+        "'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.info_nce": (
-        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
-        "ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
-        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, "
-        "chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, ids: 'Tensor "
+        "| None' = None, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
+        "None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, "
+        "validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.kcl": (
-        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
-        "mask: 'Tensor | None' = None, negatives: 'str' = 'per_language', normalize: "
-        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
-        "return_terms: 'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | "
-        "tuple[Tensor, Terms]'"
+        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, mask: 'Tensor "
+        "| None' = None, negatives: 'str' = 'per_language', normalize: 'bool' = True, reduction: "
+        "'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: "
+        "'int | None' = None, validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, "
+        "Terms]'"
     ),
     "contrastive_losses.functional.l2_normalize": (
         "(x: 'Tensor', norms: 'Tensor | None' = None) -> 'Tensor'"
@@ -197,49 +198,48 @@ SIGNATURES = {
         "include_english: 'bool' = False) -> 'Tensor'"
     ),
     "contrastive_losses.functional.siglip": (
-        "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: "
-        "'float | Tensor' = -10.0, *, ids: 'Tensor | None' = None, normalize: 'bool' "
-        "= True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
-        "return_terms: 'bool' = False, chunk_size: 'int | None' = None) -> 'Tensor | "
-        "tuple[Tensor, Terms]'"
+        "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float | Tensor' "
+        "= -10.0, *, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | "
+        "None' = None, validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.sinkhorn": (
-        "(scores: 'Tensor', epsilon: 'float' = 0.05, max_iter: 'int' = 100, tol: "
-        "'float | None' = None, *, method: 'str' = 'auto', check_every: 'int' = 10) "
-        "-> 'Tensor'"
+        "(scores: 'Tensor', epsilon: 'float' = 0.05, max_iter: 'int' = 100, tol: 'float | None' = "
+        "None, *, method: 'str' = 'auto', check_every: 'int' = 10, validate_args: 'bool | None' = "
+        "None) -> 'Tensor'"
     ),
     "contrastive_losses.functional.support_vector_term": (
-        "(anchor: 'Tensor', candidates: 'Tensor', radius: 'float | Tensor', "
-        "temperature: 'float | Tensor' = 0.07, *, normalize: 'bool' = True, mask: "
-        "'Tensor | None' = None, reduction: 'str' = 'mean', gather: 'bool | None' = "
-        "None, chunk_size: 'int | None' = None) -> 'Tensor'"
+        "(anchor: 'Tensor', candidates: 'Tensor', radius: 'float | Tensor', temperature: 'float | "
+        "Tensor' = 0.07, *, normalize: 'bool' = True, mask: 'Tensor | None' = None, reduction: "
+        "'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None, "
+        "validate_args: 'bool | None' = None) -> 'Tensor'"
     ),
     "contrastive_losses.losses.CACLLoss": (
-        "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, "
-        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' ="
-        " None, chunk_size: 'int | None' = None) -> 'None'"
+        "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, learnable_temperature: 'bool' "
+        "= False, max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None, validate_args: "
+        "'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.losses.ContrastivePair": (
         "(audio: ForwardRef('Tensor'), text: ForwardRef('Tensor'), mask: "
         "ForwardRef('Tensor | None') = None)"
     ),
     "contrastive_losses.losses.InfoNCELoss": (
-        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
-        "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str'"
-        " = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None) ->"
-        " 'None'"
+        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, max_logit_scale: "
+        "'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
+        "None' = None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
+        "'None'"
     ),
     "contrastive_losses.losses.KCLLoss": (
         "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
-        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' ="
-        " None, chunk_size: 'int | None' = None) -> 'None'"
+        "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: "
+        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int "
+        "| None' = None, validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.losses.SigLIPLoss": (
-        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: "
-        "'bool' = True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: "
-        "'bool | None' = None, chunk_size: 'int | None' = None) -> 'None'"
+        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = True, "
+        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
+        "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.metrics.audio_text_retrieval": (
         "(audio: 'Tensor', text: 'Tensor', *, k: 'Sequence[int]' = (1, 5, 10), map_k:"
@@ -275,6 +275,7 @@ SIGNATURES = {
         "10, denominator: 'str' = 'n_relevant', normalize: 'bool' = True, chunk_size:"
         " 'int | None' = None) -> 'RetrievalReport'"
     ),
+    "contrastive_losses.set_default_validate_args": "(value: 'bool') -> 'None'",
     "contrastive_losses.sample_languages": (
         "(mask_or_num_languages: 'Tensor | int', batch_size: 'int | None' = None, *, "
         "generator: 'torch.Generator | None' = None, english_index: 'int' = 0, "

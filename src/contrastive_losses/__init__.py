@@ -10,6 +10,7 @@ Module (:mod:`~contrastive_losses.infonce`, :mod:`~contrastive_losses.siglip`,
 from __future__ import annotations
 
 from . import diagnostics, distributed, functional, metrics
+from ._checks import set_default_validate_args
 from .ask import ASKLoss
 from .bank import KnowledgeBank
 from .cacl import sample_languages
@@ -33,4 +34,5 @@ __all__ = [
     "functional",
     "metrics",
     "sample_languages",
+    "set_default_validate_args",
 ]

@@ -3,6 +3,15 @@
 Each check raises ``ValueError`` or ``TypeError`` whose message names the argument and
 shows what was received, so a user sees ``text: expected shape (B, K, D) ...`` instead of
 a NaN three steps later. Checks never ``assert`` (asserts vanish under ``python -O``).
+
+Two kinds of check. *Static* checks read only what is known without looking at a
+tensor's values (types, shapes, dtypes, devices, Python arguments): they always run, cost
+no device work, and under ``torch.compile`` run once at trace time. *Value* checks read
+tensor values (NaN/Inf, zero rows, bounds on a tensor temperature or radius): each costs a
+host-device sync (the CPU waits for the GPU) and cannot be traced, so they run only when
+:func:`resolve_validate` says so: ``validate_args`` (``None``: the global default set
+with :func:`set_default_validate_args`, the ``torch.distributions`` convention) and not
+while ``torch.compile`` traces the call.
 """
 
 from __future__ import annotations
@@ -13,6 +22,42 @@ import torch
 from torch import Tensor
 
 REDUCTIONS = ("mean", "sum", "none")
+
+_default_validate_args = True
+
+
+def set_default_validate_args(value: bool) -> None:
+    """Turn the value checks of every loss on (default) or off where ``validate_args`` is
+    ``None`` (the ``torch.distributions`` convention).
+
+    Off, a forward and backward make no host-device sync: NaN/Inf, zero embeddings and
+    out-of-range tensor values are no longer caught (bad input may then give NaN or
+    garbage instead of an error), the SVR training warnings are off, and under
+    ``gather`` the ranks no longer check together and must hold equal batch sizes (see
+    "Performance switches" in the docs). Shape, dtype, device and argument checks stay.
+
+    Example:
+        >>> import contrastive_losses
+        >>> contrastive_losses.set_default_validate_args(False)
+        >>> contrastive_losses.set_default_validate_args(True)
+    """
+    global _default_validate_args
+    if not isinstance(value, bool):
+        raise TypeError(f"value: expected True or False, got {value!r}")
+    _default_validate_args = value
+
+
+def resolve_validate(validate_args: bool | None) -> bool:
+    """Whether the value checks run: ``validate_args`` (``None``: the global default),
+    and never while ``torch.compile`` traces (a value check there is a graph break or,
+    with ``fullgraph=True``, an error)."""
+    if validate_args is None:
+        validate = _default_validate_args
+    elif isinstance(validate_args, bool):
+        validate = validate_args
+    else:
+        raise TypeError(f"validate_args: expected None, True or False, got {validate_args!r}")
+    return validate and not torch.compiler.is_compiling()
 
 
 def _shape(x: Tensor) -> str:
@@ -76,14 +121,24 @@ def peak_scaled_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def check_row_norms(
-    x: Tensor, name: str, *, nonzero: bool = True, mask: Tensor | None = None
+    x: Tensor,
+    name: str,
+    *,
+    nonzero: bool = True,
+    mask: Tensor | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """Return the L2 norms of ``x``'s rows (last dim); see :func:`row_norms`."""
-    return row_norms(x, name, nonzero=nonzero, mask=mask)[0]
+    return row_norms(x, name, nonzero=nonzero, mask=mask, validate=validate)[0]
 
 
 def row_norms(
-    x: Tensor, name: str, *, nonzero: bool = True, mask: Tensor | None = None
+    x: Tensor,
+    name: str,
+    *,
+    nonzero: bool = True,
+    mask: Tensor | None = None,
+    validate: bool = True,
 ) -> tuple[Tensor, bool]:
     """Return the L2 norms of ``x``'s rows (last dim), validating values on the way.
 
@@ -102,9 +157,16 @@ def row_norms(
 
     The second value is True when every norm lies in ``[sqrt(tiny), sqrt(max)]``, where
     ``1/norm**2`` and ``x @ y.T`` for unit ``y`` are finite too (fused fast paths need it).
+
+    Without ``validate`` nothing is read back (no host sync): the fast norms are returned
+    as they are and taken to be moderate.
     """
     check_materialised(x, name)
     norms = torch.linalg.vector_norm(x.detach(), dim=-1)
+    if not validate:
+        if mask is not None and nonzero:
+            norms = norms.masked_fill(norms == 0, 1)
+        return norms, True
     fi = torch.finfo(x.dtype)
     if nonzero:
         ok = (norms >= fi.tiny**0.5) & (norms <= fi.max**0.5)  # False for NaN too
@@ -150,7 +212,8 @@ def check_embeddings(
 ) -> Tensor:
     """Validate an embedding tensor of ``ndim`` dims whose layout is described by ``dims``.
 
-    ``dims`` is the human-readable layout for error messages, e.g. ``"(B, K, D)"``.
+    ``dims`` is the human-readable layout for error messages, e.g. ``"(B, K, D)"``;
+    ``check_values`` adds the value checks of :func:`check_row_norms` (a host sync).
     """
     x = check_tensor(x, name)
     if x.dim() != ndim:
@@ -195,23 +258,31 @@ def check_same_device_dtype(tensors: Sequence[tuple[Tensor, str]]) -> None:
             )
 
 
-def check_scalar(value: float | Tensor, name: str, *, floating: bool = False) -> float:
+def check_scalar(
+    value: float | Tensor, name: str, *, floating: bool = False, validate: bool = True
+) -> float | None:
     """A real scalar, a Python int or float (not bool) or a one-element tensor (of a
-    floating dtype with ``floating``); returns it as a float."""
+    floating dtype with ``floating``); returns it as a float, or ``None`` for a tensor
+    without ``validate`` (its value is not read: no host sync)."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name}: expected a scalar, got shape {_shape(value)}")
         if floating:
             check_float(value, name)
+        if not validate:
+            return None
         return float(value.detach())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")
 
 
-def check_positive(value: float | Tensor, name: str) -> float:
-    """A strictly positive finite scalar (temperature, epsilon, ...); returns it as a float."""
-    v = check_scalar(value, name)
+def check_positive(value: float | Tensor, name: str, *, validate: bool = True) -> float | None:
+    """A strictly positive finite scalar (temperature, epsilon, ...); returns it as a float
+    (``None`` for a tensor without ``validate``, whose value is not read)."""
+    v = check_scalar(value, name, validate=validate)
+    if v is None:
+        return None
     if not v > 0 or v != v or v == float("inf"):
         raise ValueError(f"{name}: must be a finite number > 0, got {v}")
     return v
@@ -274,8 +345,11 @@ def check_ids(
     return ids
 
 
-def check_mask(mask: object, name: str, shape: tuple[int, ...], ref: Tensor) -> Tensor:
-    """Boolean mask of ``shape`` on ``ref``'s device where every row has a True entry."""
+def check_mask(
+    mask: object, name: str, shape: tuple[int, ...], ref: Tensor, *, validate: bool = True
+) -> Tensor:
+    """Boolean mask of ``shape`` on ``ref``'s device where every row has a True entry
+    (that last part a value check, with ``validate`` only)."""
     mask = check_tensor(mask, name)
     if tuple(mask.shape) != tuple(shape):
         want = "(" + ", ".join(str(s) for s in shape) + ")"
@@ -284,6 +358,8 @@ def check_mask(mask: object, name: str, shape: tuple[int, ...], ref: Tensor) -> 
         raise TypeError(f"{name}: expected a bool tensor, got dtype {mask.dtype}")
     if mask.device != ref.device:
         raise ValueError(f"{name}: on device {mask.device} but the embeddings are on {ref.device}")
+    if not validate:
+        return mask
     check_materialised(mask, name)
     empty = ~mask.flatten(1).any(dim=1) if mask.dim() > 1 else ~mask
     if bool(empty.any()):

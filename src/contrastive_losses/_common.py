@@ -32,9 +32,10 @@ Terms = dict[str, Tensor]
 MIN_TEMPERATURE = 1e-4
 
 
-def _temperature(temperature: float | Tensor) -> None:
-    value = _checks.check_positive(temperature, "temperature")
-    if value < MIN_TEMPERATURE:
+def _temperature(temperature: float | Tensor, validate: bool = True) -> None:
+    """A float or 0-d tensor temperature; the bounds of a tensor's value with ``validate``."""
+    value = _checks.check_positive(temperature, "temperature", validate=validate)
+    if value is not None and value < MIN_TEMPERATURE:
         raise ValueError(
             f"temperature: {value:.3g} is below the smallest supported {MIN_TEMPERATURE:g} "
             "(1/temperature scales the logits; beyond 1e4 they overflow float16 and the "
@@ -42,12 +43,17 @@ def _temperature(temperature: float | Tensor) -> None:
         )
 
 
-def _embeddings(x: object, name: str, dims: str, normalize: bool, min_batch: int = 2) -> Tensor:
-    """Validate an embedding input and (optionally) normalise it; one pass over ``x``."""
+def _embeddings(
+    x: object, name: str, dims: str, normalize: bool, min_batch: int = 2, validate: bool = True
+) -> Tensor:
+    """Validate an embedding input and (optionally) normalise it; one pass over ``x``.
+    The value checks (NaN/Inf, zero rows) with ``validate`` only."""
     x = _checks.check_embeddings(
         x, name, ndim=dims.count(",") + 1, dims=dims, min_batch=min_batch, check_values=False
     )
-    norms = _checks.check_row_norms(x, name, nonzero=normalize)
+    if not normalize and not validate:
+        return x
+    norms = _checks.check_row_norms(x, name, nonzero=normalize, validate=validate)
     return l2_normalize(x, norms) if normalize else x
 
 
@@ -58,11 +64,16 @@ def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
 
 
 def _pair_and_ids(
-    audio: object, text: object, ids: object | None, normalize: bool, min_batch: int
+    audio: object,
+    text: object,
+    ids: object | None,
+    normalize: bool,
+    min_batch: int,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Validated (and normalised) ``(B, D)`` audio and text, and optional ``(B,)`` ids."""
-    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch)
-    t = _embeddings(text, "text", "(B, D)", normalize, min_batch)
+    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch, validate)
+    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, validate)
     _check_pair(a, "audio", t, "text")
     if ids is not None:
         ids = _checks.check_ids(ids, "ids", a.shape[0], a)
@@ -82,8 +93,15 @@ class _Batch:
     world: int
 
 
-def _gather(x: Tensor, enabled: bool) -> tuple[Tensor, int]:
-    return all_gather_with_grad(x) if enabled else (x, 0)
+def _gather(x: Tensor, enabled: bool, validate: bool = True) -> tuple[Tensor, int]:
+    """``x`` gathered from every rank (``enabled``), and this rank's offset; without
+    ``validate`` every rank is taken to hold as many rows (no size exchange, no sync)."""
+    return all_gather_with_grad(x, equal_sizes=not validate) if enabled else (x, 0)
+
+
+def _gather_no_grad(x: Tensor, enabled: bool, validate: bool = True) -> Tensor:
+    """:func:`all_gather_no_grad` when ``enabled`` (sizes as in :func:`_gather`), else ``x``."""
+    return all_gather_no_grad(x, equal_sizes=not validate) if enabled else x
 
 
 def _batch(offset: int, n_global: int, enabled: bool) -> _Batch:
@@ -119,12 +137,13 @@ def _info_nce_rows(
     ids: Tensor | None,
     gather: bool,
     chunk_size: int | None = None,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor, _Batch]:
     """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each."""
     b = a.shape[0]
     a = a / temperature  # scale the (b, D) side, not the (b, N) logits
     if chunk_size is not None:
-        return _tiled_info_nce_rows(a, t, ids, gather, chunk_size)
+        return _tiled_info_nce_rows(a, t, ids, gather, chunk_size, validate)
     if not gather:
         logits = a @ t.T  # (B, B)
         if ids is None:
@@ -137,8 +156,8 @@ def _info_nce_rows(
             t2a = _multi_positive_ce(logits.T, same)
         return a2t, t2a, _batch(0, b, False)
 
-    a_all, offset = all_gather_with_grad(a)  # (N, D)
-    t_all, _ = all_gather_with_grad(t)
+    a_all, offset = _gather(a, True, validate)  # (N, D)
+    t_all, _ = _gather(t, True, validate)
     logits_a2t = a @ t_all.T  # (b, N)
     logits_t2a = t @ a_all.T  # (b, N)
     if ids is None:
@@ -146,21 +165,21 @@ def _info_nce_rows(
         a2t = F.cross_entropy(logits_a2t, target, reduction="none")
         t2a = F.cross_entropy(logits_t2a, target, reduction="none")
     else:
-        same = ids[:, None] == all_gather_no_grad(ids)[None, :]  # (b, N)
+        same = ids[:, None] == _gather_no_grad(ids, True, validate)[None, :]  # (b, N)
         a2t = _multi_positive_ce(logits_a2t, same)
         t2a = _multi_positive_ce(logits_t2a, same)
     return a2t, t2a, _batch(offset, a_all.shape[0], True)
 
 
 def _tiled_info_nce_rows(
-    a: Tensor, t: Tensor, ids: Tensor | None, gather: bool, chunk_size: int
+    a: Tensor, t: Tensor, ids: Tensor | None, gather: bool, chunk_size: int, validate: bool
 ) -> tuple[Tensor, Tensor, _Batch]:
     """:func:`_info_nce_rows` over column tiles: this rank's audio rows against every
     rank's text, the text columns' log-sum-exp completed across ranks in the kernel, so
     only the text is gathered and no ``(b, N)`` logits exist."""
     b = a.shape[0]
-    t_all, offset = _gather(t, gather)  # (N, D)
-    col_ids = None if ids is None else (all_gather_no_grad(ids) if gather else ids)
+    t_all, offset = _gather(t, gather, validate)  # (N, D)
+    col_ids = None if ids is None else _gather_no_grad(ids, gather, validate)
     a2t, t2a = _TiledCrossEntropy.apply(
         a, t_all[None], offset, ids, col_ids, None, None, chunk_size, (offset, offset + b), gather
     )
@@ -212,14 +231,21 @@ class _TemperatureMixin(nn.Module):
             self.register_buffer("log_logit_scale", log_scale)
 
     def _init_settings(
-        self, normalize: bool, reduction: str, gather: bool | None, chunk_size: int | None
+        self,
+        normalize: bool,
+        reduction: str,
+        gather: bool | None,
+        chunk_size: int | None,
+        validate_args: bool | None,
     ) -> None:
         """The settings every temperature-scaled loss Module holds, checked."""
         _checks.check_reduction(reduction)
+        _checks.resolve_validate(validate_args)  # the type
         self.normalize = normalize
         self.reduction = reduction
         self.gather = gather
         self.chunk_size = _checks.check_chunk_size(chunk_size)
+        self.validate_args = validate_args
 
     def _loss(
         self, fn: Callable[..., Any], *args: Any, return_terms: bool, **kwargs: Any
@@ -235,6 +261,7 @@ class _TemperatureMixin(nn.Module):
             gather=self.gather,
             return_terms=return_terms,
             chunk_size=self.chunk_size,
+            validate_args=self.validate_args,
             **kwargs,
         )
         return _with_terms(out, return_terms, temperature=temperature)
@@ -273,7 +300,9 @@ def check_radius(value: float, name: str = "radius") -> float:
     return float(value)
 
 
-def _radius_tensor(radius: object, b: int, ref: Tensor) -> Tensor | float:
+def _radius_tensor(radius: object, b: int, ref: Tensor, validate: bool = True) -> Tensor | float:
+    """A float radius (checked) or a 0-d or ``(b,)`` tensor on ``ref``'s device, cast to
+    its dtype; the bound on a tensor's values with ``validate`` only."""
     if isinstance(radius, Tensor):
         if radius.dim() > 1 or (radius.dim() == 1 and radius.shape[0] != b):
             raise ValueError(
@@ -284,10 +313,11 @@ def _radius_tensor(radius: object, b: int, ref: Tensor) -> Tensor | float:
         _checks.check_materialised(radius, "radius")
         if radius.device != ref.device:
             raise ValueError(f"radius: on device {radius.device} but anchor is on {ref.device}")
-        peak = radius.detach().abs().amax() if radius.numel() else radius.new_zeros(())
-        if not bool(peak <= MAX_RADIUS):  # False for NaN: one host sync for NaN, Inf, the bound
-            _checks.check_finite(radius, "radius")
-            check_radius(float(peak))
+        if validate:
+            peak = radius.detach().abs().amax() if radius.numel() else radius.new_zeros(())
+            if not bool(peak <= MAX_RADIUS):  # False for NaN: one sync for NaN, Inf, the bound
+                _checks.check_finite(radius, "radius")
+                check_radius(float(peak))
         return radius.to(ref.dtype)
     if isinstance(radius, bool) or not isinstance(radius, (int, float)):
         raise TypeError(f"radius: expected a float or a tensor, got {type(radius).__name__}")

@@ -39,6 +39,7 @@ from ._checks import (
     check_row_norms,
     check_same_device_dtype,
     check_same_size,
+    resolve_validate,
 )
 from ._common import _temperature
 from .bank import KnowledgeBank
@@ -48,7 +49,7 @@ from .distributed import (
     resolve_gather,
     validate_together,
 )
-from .ot import sinkhorn
+from .ot import _EXP_MAX_RANGE, sinkhorn
 
 __all__ = ["ASKLoss", "ask", "inject", "reliability"]
 
@@ -183,14 +184,19 @@ def reliability(anchor: Tensor, partners: Tensor, retrieved: Tensor) -> tuple[Te
 MAX_KNOWLEDGE_NORM = 1e4
 
 
-def _check_knowledge(t: Tensor | None, name: str, ref: Tensor) -> Tensor | None:
+def _check_knowledge(
+    t: Tensor | None, name: str, ref: Tensor, validate: bool = True
+) -> Tensor | None:
     if t is None:
         return None
     t = check_embeddings(t, name, ndim=4, dims="(B, K, 2, D)", min_batch=1, check_values=False)
     # Knowledge is never normalised here, so zero rows are fine; one norm pass (one host
     # sync) finds NaN/Inf and oversized rows alike (the comparison is False for NaN).
     check_materialised(t, name)
-    if not bool((torch.linalg.vector_norm(t.detach(), dim=-1) <= MAX_KNOWLEDGE_NORM).all()):
+    norms_ok = validate and bool(
+        (torch.linalg.vector_norm(t.detach(), dim=-1) <= MAX_KNOWLEDGE_NORM).all()
+    )
+    if validate and not norms_ok:
         norms = check_row_norms(t, name, nonzero=False)  # raises on NaN/Inf
         raise ValueError(
             f"{name}: a knowledge row has L2 norm {float(norms.max()):.3g}, above "
@@ -226,10 +232,10 @@ def _plans(plan: Tensor | None, n: int, b: int) -> list[Tensor | None]:
     raise ValueError(f"plan: expected shape ({b}, {b}) or ({n}, {b}, {b}), got {_shape(plan)}")
 
 
-def _checked_pair(audio: object, text: object) -> tuple[Tensor, Tensor]:
-    """The batch's ``(B, D)`` audio and text, checked as a pair."""
-    audio = check_embeddings(audio, "audio", ndim=2, dims="(B, D)")
-    text = check_embeddings(text, "text", ndim=2, dims="(B, D)")
+def _checked_pair(audio: object, text: object, validate: bool = True) -> tuple[Tensor, Tensor]:
+    """The batch's ``(B, D)`` audio and text, checked as a pair (values with ``validate``)."""
+    audio = check_embeddings(audio, "audio", ndim=2, dims="(B, D)", check_values=validate)
+    text = check_embeddings(text, "text", ndim=2, dims="(B, D)", check_values=validate)
     check_same_size(audio, "audio", text, "text", 0, "batch size B")
     check_same_size(audio, "audio", text, "text", 1, "embedding dim D")
     check_same_device_dtype([(audio, "audio"), (text, "text")])
@@ -243,6 +249,7 @@ def _retrieval_pairs(
     coarse_audio: Tensor | None,
     coarse_text: Tensor | None,
     cdt: torch.dtype,
+    validate: bool = True,
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """The retrieved knowledge pairs of each granularity present, checked and cast to the
     compute dtype ``cdt``: ``g -> (pairs retrieved by the audio, by the text)``, each
@@ -259,8 +266,8 @@ def _retrieval_pairs(
         )
     sources: dict[str, tuple[Tensor, Tensor]] = {}
     for g, ka, kt in (("fine", fine_audio, fine_text), ("coarse", coarse_audio, coarse_text)):
-        ka = _check_knowledge(ka, f"{g}_audio", audio)
-        kt = _check_knowledge(kt, f"{g}_text", audio)
+        ka = _check_knowledge(ka, f"{g}_audio", audio, validate)
+        kt = _check_knowledge(kt, f"{g}_text", audio, validate)
         if ka is not None and kt is not None:
             sources[g] = (ka.to(cdt), kt.to(cdt))
     return sources
@@ -290,12 +297,21 @@ def _realignment(
     epsilon: float,
     sinkhorn_iters: int,
     detach_plan: bool,
+    method: str = "auto",
 ) -> Tensor:
     r"""The re-alignment matrix of Eq. 14, :math:`A_g = (1-\beta) I + \beta B Q_g` (rows
     sum to 1), with :math:`Q_g` the given plan ``q`` or the Sinkhorn plan of
-    :math:`S_g` = ``sim``; ``eye`` itself when there is no transport."""
+    :math:`S_g` = ``sim`` (its ``method`` as in :func:`~contrastive_losses.ot.sinkhorn`,
+    whose value checks run only with ``"auto"``); ``eye`` itself when there is no
+    transport."""
     if q is None and ot_weight > 0:
-        q = sinkhorn(sim.detach() if detach_plan else sim, epsilon, max_iter=sinkhorn_iters)
+        q = sinkhorn(
+            sim.detach() if detach_plan else sim,
+            epsilon,
+            max_iter=sinkhorn_iters,
+            method=method,
+            validate_args=method == "auto",
+        )
     if q is None:
         return eye
     b = sim.shape[0]
@@ -351,6 +367,14 @@ def _ask_terms(
     return {k: t.detach() for k, t in terms.items()}
 
 
+def _static_sinkhorn_method(audio: Tensor, normalize: bool, epsilon: float) -> str:
+    """Sinkhorn's method chosen without reading the scores (no value checks): ``"exp"``
+    on CPU when ``(max S - min S) / epsilon <= 200`` follows from the arguments, i.e.
+    ``normalize`` with knowledge rows of norm at most 1 (``|S| <= 1``), else ``"log"``."""
+    bounded = normalize and 2.0 / epsilon <= _EXP_MAX_RANGE
+    return "exp" if audio.device.type == "cpu" and bounded else "log"
+
+
 def ask(
     audio: Tensor,
     text: Tensor,
@@ -371,6 +395,7 @@ def ask(
     normalize: bool = True,
     reduction: str = "mean",
     return_terms: bool = False,
+    validate_args: bool | None = None,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     r"""ASK loss on one batch (Eq. 8-18), given the knowledge pairs retrieved for it.
 
@@ -434,6 +459,14 @@ def ask(
             + m^{a\to t}\sum_g \mathrm{CE}^{a\to t}_{g,i}\big)` with the batch-level
             modulations :math:`m`; its mean is the loss.
         return_terms: also return a dict of detached parts.
+        validate_args: the value checks (NaN/Inf and zero embeddings, oversized
+            knowledge rows, and Sinkhorn's: host syncs) on, off or ``None`` (the global
+            default, :func:`contrastive_losses.set_default_validate_args`). Off (or under
+            ``torch.compile``) Sinkhorn runs in the exp domain on CPU when
+            ``normalize`` and ``epsilon >= 0.01`` (its bound holds for unit embeddings
+            and knowledge rows of norm at most 1, as a
+            :class:`~contrastive_losses.bank.KnowledgeBank` stores), else in the log
+            domain; no host sync.
 
     Returns:
         The loss, or ``(loss, terms)`` with batch means ``ce_{g}_{d}`` (each cross-entropy,
@@ -459,14 +492,18 @@ def ask(
         >>> loss.shape, float(terms["ce_coarse_t2a"])
         (torch.Size([]), 0.0)
     """
-    audio, text = _checked_pair(audio, text)
+    validate = resolve_validate(validate_args)
+    audio, text = _checked_pair(audio, text, validate)
     _check_hparams(
         injection_ratio, ot_weight, lambda_fine, lambda_coarse, epsilon, temperature,
         sinkhorn_iters, detach_plan, normalize, reduction,
     )  # fmt: skip
     # float16/bfloat16 inputs: all arithmetic in float32 (exp, log-sum-exp, Sinkhorn).
     cdt = torch.promote_types(audio.dtype, torch.float32)
-    sources = _retrieval_pairs(audio, fine_audio, fine_text, coarse_audio, coarse_text, cdt)
+    sources = _retrieval_pairs(
+        audio, fine_audio, fine_text, coarse_audio, coarse_text, cdt, validate
+    )
+    method = "auto" if validate else _static_sinkhorn_method(audio, normalize, epsilon)
 
     b = audio.shape[0]
     u, v = audio.to(cdt), text.to(cdt)
@@ -485,7 +522,7 @@ def ask(
             u, v, u_partner, u_ret, v_partner, v_ret
         )
         sim = inject(u, u_ret, injection_ratio) @ inject(v, v_ret, injection_ratio).T  # S_g
-        mix = _realignment(sim, q, eye, ot_weight, epsilon, sinkhorn_iters, detach_plan)
+        mix = _realignment(sim, q, eye, ot_weight, epsilon, sinkhorn_iters, detach_plan, method)
         ce[g, "a2t"] = F.cross_entropy((mix @ sim) / temperature, target, reduction="none")
         ce[g, "t2a"] = F.cross_entropy((sim @ mix).T / temperature, target, reduction="none")
 
@@ -535,6 +572,11 @@ class ASKLoss(nn.Module):
             bank built fewer prototypes (k-means drops empty clusters), all of them are
             used, with a warning.
         use_coarse: use the prototypes (the bank must have some).
+        validate_args: the value checks of :func:`ask` and of the batch on, off or
+            ``None`` (the global default,
+            :func:`contrastive_losses.set_default_validate_args`); under gather, off
+            also means no joint check across ranks and equal batch sizes on every rank.
+            The bank search reads the batch back to the host (faiss) either way.
         gather: all-gather across ranks (``None``: when ``torch.distributed`` runs with
             more than one rank). Every rank then evaluates the loss of the global batch —
             Sinkhorn couples all its pairs — and gradients flow back to the owning ranks;
@@ -578,6 +620,7 @@ class ASKLoss(nn.Module):
         normalize: bool = True,
         reduction: str = "mean",
         gather: bool | None = None,
+        validate_args: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(bank, KnowledgeBank):
@@ -591,6 +634,7 @@ class ASKLoss(nn.Module):
         )  # fmt: skip
         if gather is not None:
             _check_bool(gather, "gather")
+        resolve_validate(validate_args)  # the type
         self.bank = bank
         self.k = k
         self.k_coarse = k_coarse
@@ -606,6 +650,7 @@ class ASKLoss(nn.Module):
         self.normalize = normalize
         self.reduction = reduction
         self.gather = gather
+        self.validate_args = validate_args
 
     def retrieve(self, audio: Tensor, text: Tensor, ids: Tensor) -> dict[str, Tensor | None]:
         """The knowledge :func:`ask` takes: ``fine_audio``, ``fine_text`` ``(B, k, 2, D)``
@@ -669,11 +714,21 @@ class ASKLoss(nn.Module):
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """Loss for the batch; ``ids`` are the dataset ids (a sample never retrieves itself)."""
         enabled = resolve_gather(self.gather)
+        validate = resolve_validate(self.validate_args)
         # Under gather a check failing on one rank is raised on every rank (no rank is left
         # waiting in the gather); the global batch needs 2 samples, a rank 1.
-        with validate_together(enabled, audio) as v:
-            audio = check_embeddings(audio, "audio", ndim=2, dims="(B, D)", min_batch=v.min_batch)
-            text = check_embeddings(text, "text", ndim=2, dims="(B, D)", min_batch=v.min_batch)
+        with validate_together(enabled, audio, validate=validate) as v:
+            audio = check_embeddings(
+                audio,
+                "audio",
+                ndim=2,
+                dims="(B, D)",
+                min_batch=v.min_batch,
+                check_values=validate,
+            )
+            text = check_embeddings(
+                text, "text", ndim=2, dims="(B, D)", min_batch=v.min_batch, check_values=validate
+            )
             if audio.shape[0] == 0:
                 raise ValueError(
                     "audio: batch size 0 on this rank; ASKLoss needs a sample on every rank "
@@ -695,10 +750,12 @@ class ASKLoss(nn.Module):
             # Sinkhorn couples every pair of the batch, so each rank evaluates the loss of
             # the global batch (cheap next to the encoders) and its gradient reaches the
             # owners through the gather; the mean over ranks is the single-process loss.
-            audio, offset = all_gather_with_grad(audio)
-            text, _ = all_gather_with_grad(text)
+            audio, offset = all_gather_with_grad(audio, equal_sizes=not validate)
+            text, _ = all_gather_with_grad(text, equal_sizes=not validate)
             knowledge = {
-                key: None if value is None else all_gather_no_grad(value.detach())
+                key: None
+                if value is None
+                else all_gather_no_grad(value.detach(), equal_sizes=not validate)
                 for key, value in knowledge.items()
             }
         out = ask(
@@ -719,6 +776,7 @@ class ASKLoss(nn.Module):
             normalize=self.normalize,
             reduction=self.reduction,
             return_terms=return_terms,
+            validate_args=validate,
         )
         if self.reduction != "none" or audio.shape[0] == b:
             return out

@@ -41,6 +41,7 @@ def cacl(
     gather: bool | None = None,
     return_terms: bool = False,
     chunk_size: int | None = None,
+    validate_args: bool | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Audio–English co-anchor contrastive loss (CACL, ATRI Eq. 12–13).
 
@@ -67,6 +68,8 @@ def cacl(
             "loss_english_other"}`` (each a symmetric InfoNCE mean).
         chunk_size: ``None`` (dense) or the column tile of the memory-bounded path, as
             in :func:`~contrastive_losses.functional.info_nce`.
+        validate_args: value checks on, off (no host sync) or ``None`` (the global
+            default), as in :func:`~contrastive_losses.functional.info_nce`.
 
     Shape:
         audio, english, other ``(B, D)``; output scalar or ``(B,)``.
@@ -79,13 +82,14 @@ def cacl(
         torch.Size([])
     """
     enabled = resolve_gather(gather)
-    with validate_together(enabled, audio) as v:
+    validate = _checks.resolve_validate(validate_args)
+    with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
-        _temperature(temperature)
+        _temperature(temperature, validate)
         _checks.check_chunk_size(chunk_size)
-        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
-        e = _embeddings(english, "english", "(B, D)", normalize, v.min_batch)
-        o = _embeddings(other, "other", "(B, D)", normalize, v.min_batch)
+        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
+        e = _embeddings(english, "english", "(B, D)", normalize, v.min_batch, validate)
+        o = _embeddings(other, "other", "(B, D)", normalize, v.min_batch, validate)
         _check_pair(a, "audio", e, "english")
         _check_pair(a, "audio", o, "other")
         v.batch = a.shape[0]
@@ -98,7 +102,7 @@ def cacl(
         "loss_audio_other": (a, o),
         "loss_english_other": (e, o),
     }.items():
-        x2y, y2x, batch = _info_nce_rows(x, y, temperature, None, enabled, chunk_size)
+        x2y, y2x, batch = _info_nce_rows(x, y, temperature, None, enabled, chunk_size, validate)
         per_sample.append((x2y + y2x) / 2)
         terms[name] = _reduce(per_sample[-1], "mean", batch.n_global, batch)
     loss = _reduce(torch.stack(per_sample).mean(0), reduction, batch.n_global, batch)
@@ -141,6 +145,21 @@ def sample_languages(
         >>> bool((idx >= 1).all() and (idx < 8).all())
         True
     """
+    return _sample_languages(
+        mask_or_num_languages, batch_size, generator, english_index, include_english, True
+    )
+
+
+def _sample_languages(
+    mask_or_num_languages: Tensor | int,
+    batch_size: int | None,
+    generator: torch.Generator | None,
+    english_index: int,
+    include_english: bool,
+    validate: bool,
+) -> Tensor:
+    """:func:`sample_languages`; the check for samples with nothing to draw (a host sync)
+    with ``validate`` only."""
     if isinstance(mask_or_num_languages, Tensor):
         mask = _checks.check_tensor(mask_or_num_languages, "mask_or_num_languages")
         _checks.check_materialised(mask, "mask_or_num_languages")
@@ -169,11 +188,25 @@ def sample_languages(
     if not include_english:
         weights[:, english_index] = 0
     empty = weights.sum(dim=1) == 0
-    if bool(empty.any()):
+    if validate and bool(empty.any()):
         rows = torch.nonzero(empty).flatten().tolist()[:10]
         what = "caption" if include_english else "non-English caption"
         raise ValueError(f"mask_or_num_languages: sample(s) {rows} have no {what} to draw")
     return torch.multinomial(weights, 1, generator=generator).squeeze(1)
+
+
+def _check_other_index(
+    index: Tensor, k_langs: int, english_index: int, mask: Tensor | None
+) -> None:
+    """The values of CACL's other-language indices ``(B,)``: in range, not English, at
+    present captions (host syncs)."""
+    if bool(((index < 0) | (index >= k_langs)).any()):
+        raise ValueError(f"other: language indices must lie in [0, {k_langs}), got {index}")
+    if bool((index == english_index).any()):
+        raise ValueError(f"other: index {english_index} is English; CACL needs another")
+    rows = torch.arange(index.shape[0], device=index.device)
+    if mask is not None and not bool(mask[rows, index].all()):
+        raise ValueError("other: points at captions that the mask marks absent")
 
 
 class CACLLoss(_TemperatureMixin):
@@ -188,7 +221,9 @@ class CACLLoss(_TemperatureMixin):
     Args:
         temperature, learnable_temperature, max_logit_scale: as in :class:`InfoNCELoss`.
         english_index: column of English in ``text`` (default 0).
-        normalize, reduction, gather, chunk_size: as in :class:`InfoNCELoss`.
+        normalize, reduction, gather, chunk_size, validate_args: as in
+            :class:`InfoNCELoss`; without value checks ``other_index`` is not checked
+            against the languages and the mask (an index out of range fails in indexing).
 
     Shape:
         ``forward(audio (B, D), english (B, D), other (B, D))`` or
@@ -214,9 +249,10 @@ class CACLLoss(_TemperatureMixin):
         reduction: str = "mean",
         gather: bool | None = None,
         chunk_size: int | None = None,
+        validate_args: bool | None = None,
     ) -> None:
         super().__init__()
-        self._init_settings(normalize, reduction, gather, chunk_size)
+        self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
         self.english_index = _checks.check_int(english_index, "english_index", 0)
 
@@ -244,7 +280,9 @@ class CACLLoss(_TemperatureMixin):
         # Under gather these checks run on every rank together (a rank's error is raised on
         # all), else one failing rank would leave the others waiting in cacl's gather; the
         # global batch size is cacl's to check.
-        with validate_together(resolve_gather(self.gather), english_or_text, min_global=0) as v:
+        validate = _checks.resolve_validate(self.validate_args)
+        enabled = resolve_gather(self.gather)
+        with validate_together(enabled, english_or_text, min_global=0, validate=validate) as v:
             a = _checks.check_embeddings(
                 audio, "audio", ndim=2, dims="(B, D)", min_batch=v.min_batch, check_values=False
             )
@@ -273,33 +311,28 @@ class CACLLoss(_TemperatureMixin):
                     f"{tuple(mask.shape)}; the mask must be (B, K)"
                 )
             if mask is not None:
-                mask = _checks.check_mask(mask, "mask", (b, k_langs), text)
+                mask = _checks.check_mask(mask, "mask", (b, k_langs), text, validate=validate)
             if other is None:
-                other = sample_languages(
+                other = _sample_languages(
                     mask if mask is not None else k_langs,
-                    batch_size=b,
-                    generator=generator,
-                    english_index=self.english_index,
+                    b,
+                    generator,
+                    self.english_index,
+                    False,
+                    validate,
                 )
             index = _checks.check_ids(other, "other", b, text)
-            if bool(((index < 0) | (index >= k_langs)).any()):
-                raise ValueError(f"other: language indices must lie in [0, {k_langs}), got {index}")
-            if bool((index == self.english_index).any()):
-                raise ValueError(
-                    f"other: index {self.english_index} is English; CACL needs another"
-                )
-            if mask is not None and not bool(
-                mask[torch.arange(b, device=text.device), index].all()
-            ):
-                raise ValueError("other: points at captions that the mask marks absent")
+            if validate:
+                _check_other_index(index, k_langs, self.english_index, mask)
             rows = torch.arange(b, device=text.device)
             english, chosen = text[:, self.english_index], text[rows, index]
-            # The captions cacl uses, checked as cacl would (values, and norms when it
-            # normalises) but named after text; unused captions are not looked at.
-            _checks.check_row_norms(
-                english, f"text[:, {self.english_index}]", nonzero=self.normalize
-            )
-            _checks.check_row_norms(chosen, "text[i, other[i]]", nonzero=self.normalize)
+            if validate:  # value checks: host syncs
+                # The captions cacl uses, checked as cacl would (values, and norms when it
+                # normalises) but named after text; unused captions are not looked at.
+                _checks.check_row_norms(
+                    english, f"text[:, {self.english_index}]", nonzero=self.normalize
+                )
+                _checks.check_row_norms(chosen, "text[i, other[i]]", nonzero=self.normalize)
             v.batch = b
         return audio, english, chosen
 

@@ -3,7 +3,10 @@
 Every loss computes its *local* rows (this rank's samples) against the *global* batch
 (all ranks' samples), the "local loss" form of open_clip. Batch sizes may differ across
 ranks (the last batch of an epoch, a dataset that does not divide evenly): tensors are
-padded to the largest local batch, gathered, and the padding is cut off again.
+padded to the largest local batch, gathered, and the padding is cut off again. Finding the
+sizes is a small collective and a host sync; with the losses' value checks off
+(``validate_args=False``, or under ``torch.compile``) it is skipped and every rank must
+hold the same batch size.
 
 The returned loss on each rank is scaled so that the *average over ranks* — what
 ``DistributedDataParallel`` does to gradients — equals the single-process loss on the
@@ -129,7 +132,12 @@ def _disagreement(names: list[str], rows: list[list[int]]) -> str | None:
 
 @contextmanager
 def validate_together(
-    enabled: bool, ref: object, *, name: str = "audio", min_global: int = 2
+    enabled: bool,
+    ref: object,
+    *,
+    name: str = "audio",
+    min_global: int = 2,
+    validate: bool = True,
 ) -> Iterator[Validation]:
     """Run a loss's input checks so that all ranks raise together or none does.
 
@@ -148,9 +156,14 @@ def validate_together(
 
     ``ref`` is the first input; its device carries the collective (CPU when it is not a
     tensor; the current CUDA device under NCCL).
+
+    With ``validate`` False (``validate_args=False``, or under ``torch.compile``) there is
+    no collective and no host sync: a check that fails on one rank raises there alone
+    (its peers then wait in the next collective: a hang), and the global batch size is
+    not checked.
     """
     v = Validation(min_batch=0 if enabled else min_global)
-    if not enabled:
+    if not enabled or not validate:
         yield v
         return
     error: Exception | None = None
@@ -230,30 +243,42 @@ def _autograd_all_gather(x: Tensor) -> Tensor:
     return torch.cat(all_gather(x.contiguous(), group=group), dim=0)
 
 
-def all_gather_with_grad(x: Tensor) -> tuple[Tensor, int]:
+def _sizes(n: int, device: torch.device, equal_sizes: bool) -> list[int]:
+    """Every rank's batch size: exchanged (one small ``all_gather`` and a host sync), or
+    with ``equal_sizes`` taken to be this rank's ``n`` on every rank (no sync)."""
+    if equal_sizes:
+        return [n] * dist.get_world_size()
+    return _local_sizes(n, device)
+
+
+def all_gather_with_grad(x: Tensor, *, equal_sizes: bool = False) -> tuple[Tensor, int]:
     """Concatenate ``x`` from every rank along dim 0, keeping the autograd graph.
 
     Args:
         x: this rank's tensor ``(b_r, ...)``; ``b_r`` may differ across ranks.
+        equal_sizes: promise that every rank passes the same ``b_r``: the sizes are not
+            exchanged (no extra collective, no host sync). Unequal sizes then fail in the
+            collective or gather garbage. The losses pass it with ``validate_args=False``.
 
     Returns:
         ``(gathered, offset)``: ``gathered`` is ``(sum_r b_r, ...)`` in rank order and
         ``gathered[offset:offset + b_r]`` are this rank's rows. Gradients that any rank
         sends into ``gathered`` are summed into the owner's ``x``.
     """
-    sizes = _local_sizes(x.shape[0], x.device)
+    sizes = _sizes(x.shape[0], x.device, equal_sizes)
     max_rows = max(sizes)
     gathered = _autograd_all_gather(_pad_rows(x, max_rows))
     offset = sum(sizes[: dist.get_rank()])
     return _unpad(gathered, sizes, max_rows), offset
 
 
-def all_gather_no_grad(x: Tensor) -> Tensor:
-    """Concatenate ``x`` (ids, masks, ...) from every rank along dim 0; no autograd."""
+def all_gather_no_grad(x: Tensor, *, equal_sizes: bool = False) -> Tensor:
+    """Concatenate ``x`` (ids, masks, ...) from every rank along dim 0; no autograd.
+    ``equal_sizes`` as in :func:`all_gather_with_grad`."""
     is_bool = x.dtype == torch.bool
     if is_bool:  # gloo cannot all_gather bool tensors
         x = x.to(torch.uint8)
-    sizes = _local_sizes(x.shape[0], x.device)
+    sizes = _sizes(x.shape[0], x.device, equal_sizes)
     max_rows = max(sizes)
     padded = _pad_rows(x, max_rows).contiguous()
     out = [torch.empty_like(padded) for _ in sizes]

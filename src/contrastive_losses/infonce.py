@@ -37,6 +37,7 @@ def info_nce(
     gather: bool | None = None,
     return_terms: bool = False,
     chunk_size: int | None = None,
+    validate_args: bool | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Symmetric InfoNCE (the CLIP / CLAP loss).
 
@@ -64,6 +65,12 @@ def info_nce(
             blocks of that many and keeps only per-row and per-column log-sum-exp
             vectors (memory ``O(B * chunk_size)``, the same value and gradients; see
             "Large batches" in the docs).
+        validate_args: run the value checks (NaN/Inf, zero embeddings, the value of a
+            tensor temperature), each a host-device sync; ``None`` follows
+            :func:`contrastive_losses.set_default_validate_args` (on by default). Off,
+            or under ``torch.compile``, only the static checks (shapes, dtypes, devices,
+            arguments) run and a forward and backward make no host sync; under gather
+            every rank must then hold the same batch size (see "Performance switches").
 
     Shape:
         audio ``(B, D)``, text ``(B, D)``, ids ``(B,)``; output scalar or ``(B,)``.
@@ -76,14 +83,15 @@ def info_nce(
         torch.Size([])
     """
     enabled = resolve_gather(gather)
-    with validate_together(enabled, audio) as v:
+    validate = _checks.resolve_validate(validate_args)
+    with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
-        _temperature(temperature)
+        _temperature(temperature, validate)
         _checks.check_chunk_size(chunk_size)
-        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
+        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
-    a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled, chunk_size)
+    a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled, chunk_size, validate)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     terms = {
         "loss_a2t": _reduce(a2t, "mean", batch.n_global, batch),
@@ -103,6 +111,8 @@ class InfoNCELoss(_TemperatureMixin):
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
         gather: all-gather across ranks (``None``: when distributed).
         chunk_size: ``None`` (dense) or the column tile of the memory-bounded path.
+        validate_args: value checks on (``True``), off (``False``, no host sync) or the
+            global default (``None``); see :func:`~contrastive_losses.functional.info_nce`.
 
     Shape:
         ``forward(audio (B, D), text (B, D), ids (B,) = None)`` -> scalar or ``(B,)``.
@@ -126,9 +136,10 @@ class InfoNCELoss(_TemperatureMixin):
         reduction: str = "mean",
         gather: bool | None = None,
         chunk_size: int | None = None,
+        validate_args: bool | None = None,
     ) -> None:
         super().__init__()
-        self._init_settings(normalize, reduction, gather, chunk_size)
+        self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
 
     def forward(

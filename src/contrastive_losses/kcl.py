@@ -24,6 +24,7 @@ from ._common import (
     _embeddings,
     _finish,
     _gather,
+    _gather_no_grad,
     _multi_positive_ce,
     _reduce,
     _temperature,
@@ -36,13 +37,18 @@ from ._kernels import (
     _TiledCrossEntropy,
     l2_normalize,
 )
-from .distributed import all_gather_no_grad, resolve_gather, validate_together
+from .distributed import resolve_gather, validate_together
 
 __all__ = ["KCLLoss", "kcl"]
 
 
 def _text_and_mask(
-    audio: Tensor, text: object, mask: object | None, normalize: bool, min_batch: int = 2
+    audio: Tensor,
+    text: object,
+    mask: object | None,
+    normalize: bool,
+    min_batch: int = 2,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None, bool]:
     """Validated raw ``text`` ``(B, K, D)``, its row norms ``(B, K)``, the mask, and
     whether the norms are moderate enough for the fused path (:func:`_checks.row_norms`)."""
@@ -53,9 +59,9 @@ def _text_and_mask(
         raise ValueError(f"text: K = 0 languages (shape {tuple(t.shape)}); need at least one")
     _check_pair(audio, "audio", t, "text")
     if mask is not None:
-        mask = _checks.check_mask(mask, "mask", tuple(t.shape[:2]), t)
+        mask = _checks.check_mask(mask, "mask", tuple(t.shape[:2]), t, validate=validate)
     # Absent captions may be zero rows (padding); they stay zero after normalising.
-    norms, moderate = _checks.row_norms(t, "text", nonzero=normalize, mask=mask)
+    norms, moderate = _checks.row_norms(t, "text", nonzero=normalize, mask=mask, validate=validate)
     return t, norms, mask, moderate
 
 
@@ -71,6 +77,7 @@ def kcl(
     gather: bool | None = None,
     return_terms: bool = False,
     chunk_size: int | None = None,
+    validate_args: bool | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""1-to-K contrastive loss (KCL, ATRI Eq. 9–11): one audio, K captions in K languages.
 
@@ -112,6 +119,9 @@ def kcl(
         chunk_size: ``None`` builds the ``(K, B, B)`` scores; an int tiles the columns in
             blocks of that many (memory ``O(K * B * chunk_size)``, the same value and
             gradients), in both ``negatives`` modes.
+        validate_args: value checks on, off (no host sync) or ``None`` (the global
+            default), as in :func:`~contrastive_losses.functional.info_nce`; off, a mask
+            row with no present caption is not caught (its terms are then undefined).
 
     Shape:
         audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``; output scalar or ``(B, K)``.
@@ -125,13 +135,16 @@ def kcl(
         torch.Size([])
     """
     enabled = resolve_gather(gather)
-    with validate_together(enabled, audio) as v:
+    validate = _checks.resolve_validate(validate_args)
+    with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
-        _temperature(temperature)
+        _temperature(temperature, validate)
         _checks.check_chunk_size(chunk_size)
-        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch)
-        t_raw, text_norms, m, moderate = _text_and_mask(a, text, mask, normalize, v.min_batch)
+        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
+        t_raw, text_norms, m, moderate = _text_and_mask(
+            a, text, mask, normalize, v.min_batch, validate
+        )
         v.batch = a.shape[0]
         v.agree(audio=a, text=t_raw)
     # Single process, per-language negatives: normalise through the scores (fast path),
@@ -147,13 +160,15 @@ def kcl(
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
     a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
     if chunk_size is not None:
-        a2t, t2a, offset, n_global, m_all = _tiled_pairs(a, t, m, negatives, enabled, chunk_size)
+        a2t, t2a, offset, n_global, m_all = _tiled_pairs(
+            a, t, m, negatives, enabled, chunk_size, validate
+        )
         return _kcl_reduce(
             a2t, t2a, m_all, _batch(offset, n_global, enabled), reduction, return_terms, out_dtype
         )
-    a_all, offset = _gather(a, enabled)
-    t_all, _ = _gather(t, enabled)
-    m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
+    a_all, offset = _gather(a, enabled, validate)
+    t_all, _ = _gather(t, enabled, validate)
+    m_all = None if m is None else _gather_no_grad(m, enabled, validate)
     batch = _batch(offset, a_all.shape[0], enabled)
     glob = _Global(a_all, t_all, m_all, offset)
     if negatives == "per_language" and enabled:
@@ -167,14 +182,20 @@ def kcl(
 
 
 def _tiled_pairs(
-    a: Tensor, t: Tensor, m: Tensor | None, negatives: str, enabled: bool, chunk_size: int
+    a: Tensor,
+    t: Tensor,
+    m: Tensor | None,
+    negatives: str,
+    enabled: bool,
+    chunk_size: int,
+    validate: bool,
 ) -> tuple[Tensor, Tensor, int, int, Tensor | None]:
     """Per-pair a->t and t->a losses ``(b, K)`` over column tiles (no ``(K, b, N)``
     scores); also the offset, the global batch size and the gathered mask."""
     b, k_langs, _ = t.shape
-    t_all, offset = _gather(t, enabled)  # (N, K, D); the audio stays local
+    t_all, offset = _gather(t, enabled, validate)  # (N, K, D); the audio stays local
     n = t_all.shape[0]
-    m_all = all_gather_no_grad(m) if (enabled and m is not None) else m
+    m_all = None if m is None else _gather_no_grad(m, enabled, validate)
     if negatives == "per_language":  # K problems: audio against language k's captions
         a2t_k, t2a_k = _TiledCrossEntropy.apply(
             a,
@@ -324,8 +345,8 @@ class KCLLoss(_TemperatureMixin):
     Args:
         temperature, learnable_temperature, max_logit_scale: as in :class:`InfoNCELoss`.
         negatives: ``"per_language"`` (ATRI Eq. 9–11) or ``"all_languages"``.
-        normalize, reduction, gather, chunk_size: as in :class:`InfoNCELoss`; ``"none"``
-            gives ``(B, K)``.
+        normalize, reduction, gather, chunk_size, validate_args: as in
+            :class:`InfoNCELoss`; ``"none"`` gives ``(B, K)``.
 
     Shape:
         ``forward(audio (B, D), text (B, K, D), mask (B, K) = None)`` -> scalar or ``(B, K)``.
@@ -349,10 +370,11 @@ class KCLLoss(_TemperatureMixin):
         reduction: str = "mean",
         gather: bool | None = None,
         chunk_size: int | None = None,
+        validate_args: bool | None = None,
     ) -> None:
         super().__init__()
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
-        self._init_settings(normalize, reduction, gather, chunk_size)
+        self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
         self.negatives = negatives
 

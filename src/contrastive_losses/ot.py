@@ -11,7 +11,14 @@ import math
 import torch
 from torch import Tensor
 
-from ._checks import _shape, check_finite, check_float, check_positive, check_tensor
+from ._checks import (
+    _shape,
+    check_finite,
+    check_float,
+    check_positive,
+    check_tensor,
+    resolve_validate,
+)
 
 __all__ = ["sinkhorn"]
 
@@ -30,6 +37,7 @@ def sinkhorn(
     *,
     method: str = "auto",
     check_every: int = 10,
+    validate_args: bool | None = None,
 ) -> Tensor:
     r"""Entropic OT plan between uniform marginals that *maximises* ``scores``.
 
@@ -67,7 +75,9 @@ def sinkhorn(
       :math:`(\max S - \min S)/\epsilon \le 200` (no kernel underflow); a
       ``ValueError`` says so otherwise.
     - ``"auto"`` (default): ``"exp"`` on CPU when that bound holds (one host sync per
-      call to check it), otherwise ``"log"``. On CUDA always ``"log"``.
+      call to check it), otherwise ``"log"``. On CUDA always ``"log"``, and ``"log"``
+      too without value checks (``validate_args=False`` or under ``torch.compile``),
+      where the bound is not read; pass ``"exp"`` when you know it holds.
 
     The plan is differentiable through the unrolled iterations; callers that want it as a
     constant (ASK does) should pass ``scores.detach()`` or detach the result.
@@ -82,6 +92,11 @@ def sinkhorn(
             ``max_iter`` iterations with no host sync inside the loop.
         method: ``"auto"``, ``"log"`` or ``"exp"`` (see above).
         check_every: iterations between convergence checks when ``tol`` is set.
+        validate_args: the value checks (NaN/Inf scores, ``max |scores| / epsilon``
+            overflowing the dtype, the bound of ``"exp"``; host syncs) on, off or
+            ``None`` (the global default,
+            :func:`contrastive_losses.set_default_validate_args`). ``tol`` reads the
+            marginals back (a sync per check) either way.
 
     Returns:
         The plan ``Q``, same shape, dtype and device as ``scores``; each ``(n, m)`` slice
@@ -108,7 +123,9 @@ def sinkhorn(
     n, m = scores.shape[-2], scores.shape[-1]
     if scores.numel() == 0:
         raise ValueError(f"scores: expected non-empty (..., n, m), got shape {_shape(scores)}")
-    check_finite(scores, "scores")
+    validate = resolve_validate(validate_args)
+    if validate:
+        check_finite(scores, "scores")
     check_positive(epsilon, "epsilon")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise ValueError(f"max_iter: must be an int >= 1, got {max_iter!r}")
@@ -120,16 +137,11 @@ def sinkhorn(
         raise ValueError(f"method: expected one of {list(_METHODS)}, got {method!r}")
 
     eps = float(epsilon)
-    # S / epsilon (plus potentials of the same size) must stay finite in the dtype.
-    peak = float(scores.detach().abs().amax()) / eps
-    if peak > torch.finfo(scores.dtype).max / 16:
-        raise ValueError(
-            f"epsilon: {eps:.3g} is too small for these scores: max |scores| / epsilon = "
-            f"{peak:.3g} overflows {scores.dtype}"
-        )
+    if validate:
+        _check_overflow(scores, eps)
     if method != "log":
-        fits = scores.device.type == "cpu" or method == "exp"
-        if fits:
+        fits = (scores.device.type == "cpu" and validate) or method == "exp"
+        if fits and validate:
             flat = scores.detach().flatten(-2)
             spread = float((flat.amax(-1) - flat.amin(-1)).max()) / eps
             fits = spread <= _EXP_MAX_RANGE
@@ -143,6 +155,16 @@ def sinkhorn(
     if method == "exp":
         return _sinkhorn_exp(scores, eps, n, m, max_iter, tol, check_every).to(scores.dtype)
     return _sinkhorn_log(scores, eps, n, m, max_iter, tol, check_every).to(scores.dtype)
+
+
+def _check_overflow(scores: Tensor, eps: float) -> None:
+    """S / epsilon (plus potentials of the same size) must stay finite in the dtype."""
+    peak = float(scores.detach().abs().amax()) / eps
+    if peak > torch.finfo(scores.dtype).max / 16:
+        raise ValueError(
+            f"epsilon: {eps:.3g} is too small for these scores: max |scores| / epsilon = "
+            f"{peak:.3g} overflows {scores.dtype}"
+        )
 
 
 def _sinkhorn_log(

@@ -22,28 +22,33 @@ from ._common import (
     _batch,
     _finish,
     _gather,
+    _gather_no_grad,
     _pair_and_ids,
     _reduce,
 )
 from ._kernels import _TiledSigmoid
-from .distributed import all_gather_no_grad, resolve_gather, validate_together
+from .distributed import resolve_gather, validate_together
 
 __all__ = ["SigLIPLoss", "siglip"]
 
 
-def _check_scale(scale: float | Tensor) -> None:
-    """SigLIP's logit scale :math:`c = 1/\\tau`: the bound of :func:`_temperature`."""
-    value = _checks.check_positive(scale, "scale")
-    if value > 1 / MIN_TEMPERATURE:
+def _check_scale(scale: float | Tensor, validate: bool = True) -> None:
+    """SigLIP's logit scale :math:`c = 1/\\tau`: the bound of :func:`_temperature` (a
+    tensor's value with ``validate`` only)."""
+    value = _checks.check_positive(scale, "scale", validate=validate)
+    if value is not None and value > 1 / MIN_TEMPERATURE:
         raise ValueError(
             f"scale: {value:.3g} exceeds {1 / MIN_TEMPERATURE:g}, the largest logit scale "
             f"(1/temperature) the losses accept"
         )
 
 
-def _check_bias(bias: float | Tensor) -> None:
-    """A finite real scalar (SigLIP's bias may be negative or zero) of moderate size."""
-    value = _checks.check_scalar(bias, "bias", floating=True)
+def _check_bias(bias: float | Tensor, validate: bool = True) -> None:
+    """A finite real scalar (SigLIP's bias may be negative or zero) of moderate size (a
+    tensor's value with ``validate`` only)."""
+    value = _checks.check_scalar(bias, "bias", floating=True, validate=validate)
+    if value is None:
+        return
     if value != value or abs(value) == float("inf"):
         raise ValueError(f"bias: must be finite, got {value}")
     if abs(value) > 1 / MIN_TEMPERATURE:  # a logit of its own: the same bound as the scale
@@ -62,6 +67,7 @@ def siglip(
     gather: bool | None = None,
     return_terms: bool = False,
     chunk_size: int | None = None,
+    validate_args: bool | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Pairwise sigmoid loss (SigLIP, Zhai et al. 2023).
 
@@ -87,6 +93,8 @@ def siglip(
         chunk_size: ``None`` builds the ``(B, B)`` logits; an int tiles the columns in
             blocks of that many (memory ``O(B * chunk_size)``, the same value and gradients,
             those of ``scale`` and ``bias`` included).
+        validate_args: value checks on, off (no host sync) or ``None`` (the global
+            default), as in :func:`~contrastive_losses.functional.info_nce`.
 
     Shape:
         audio ``(B, D)``, text ``(B, D)``; output scalar or ``(B,)``.
@@ -98,16 +106,17 @@ def siglip(
         torch.Size([])
     """
     enabled = resolve_gather(gather)
-    with validate_together(enabled, audio) as v:
+    validate = _checks.resolve_validate(validate_args)
+    with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
-        _check_scale(scale)
-        _check_bias(bias)
+        _check_scale(scale, validate)
+        _check_bias(bias, validate)
         _checks.check_chunk_size(chunk_size)
-        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch)
+        a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
-    t_all, offset = _gather(t, enabled)
-    ids_all = None if ids is None else (all_gather_no_grad(ids) if enabled else ids)
+    t_all, offset = _gather(t, enabled, validate)
+    ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     if chunk_size is None:
         per_row = _dense_rows(a, t_all, scale, bias, offset, ids, ids_all)
     else:
@@ -147,7 +156,7 @@ class SigLIPLoss(nn.Module):
         scale_init: initial scale :math:`c` (SigLIP: 10, stored as :math:`\log c`).
         bias_init: initial bias :math:`b` (SigLIP: -10).
         learnable: learn scale and bias (default) or keep them fixed.
-        normalize, reduction, gather, chunk_size: as in :class:`InfoNCELoss`.
+        normalize, reduction, gather, chunk_size, validate_args: as in :class:`InfoNCELoss`.
 
     Shape:
         ``forward(audio (B, D), text (B, D), ids (B,) = None)`` -> scalar or ``(B,)``.
@@ -169,9 +178,11 @@ class SigLIPLoss(nn.Module):
         reduction: str = "mean",
         gather: bool | None = None,
         chunk_size: int | None = None,
+        validate_args: bool | None = None,
     ) -> None:
         super().__init__()
         _checks.check_positive(scale_init, "scale_init")
+        _checks.resolve_validate(validate_args)  # the type
         if not torch.finfo(torch.float32).tiny <= scale_init <= 1.0 / MIN_TEMPERATURE:
             raise ValueError(
                 f"scale_init: {scale_init:g} is outside [{torch.finfo(torch.float32).tiny:.3g}, "
@@ -197,6 +208,7 @@ class SigLIPLoss(nn.Module):
         self.reduction = reduction
         self.gather = gather
         self.chunk_size = _checks.check_chunk_size(chunk_size)
+        self.validate_args = validate_args
 
     @property
     def scale(self) -> Tensor:
@@ -227,6 +239,7 @@ class SigLIPLoss(nn.Module):
             gather=self.gather,
             return_terms=return_terms,
             chunk_size=self.chunk_size,
+            validate_args=self.validate_args,
         )
 
     def contrastive_pairs(

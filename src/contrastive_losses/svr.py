@@ -27,6 +27,7 @@ from ._common import (
     _check_row_mask,
     _embeddings,
     _gather,
+    _gather_no_grad,
     _radius_tensor,
     _reduce,
     _temperature,
@@ -40,7 +41,7 @@ from ._kernels import (
     _TiledCrossEntropy,
     l2_normalize,
 )
-from .distributed import all_gather_no_grad, resolve_gather, validate_together
+from .distributed import resolve_gather, validate_together
 
 __all__ = ["RadiusPredictor", "SupportVectorRegularizer", "support_vector_term"]
 
@@ -230,6 +231,7 @@ def support_vector_term(
     reduction: str = "mean",
     gather: bool | None = None,
     chunk_size: int | None = None,
+    validate_args: bool | None = None,
 ) -> Tensor:
     r"""The support-vector regularisation term of SupCLAP (Eq. 5–6), one direction.
 
@@ -271,6 +273,9 @@ def support_vector_term(
         chunk_size: ``None`` builds the ``(B, B)`` logits; an int tiles the candidates
             in blocks of that many (memory ``O(B * chunk_size)``, the same value and
             gradients, the radius' included).
+        validate_args: value checks (NaN/Inf, zero embeddings, the values of a tensor
+            radius or temperature) on, off (no host sync) or ``None`` (the global
+            default), as in :func:`~contrastive_losses.functional.info_nce`.
 
     Shape:
         anchor ``(B, D)``, candidates ``(B, D)``, radius ``()`` or ``(B,)``, mask ``(B,)``;
@@ -288,24 +293,25 @@ def support_vector_term(
         True
     """
     enabled = resolve_gather(gather)
-    with validate_together(enabled, anchor, name="anchor") as v:
+    validate = _checks.resolve_validate(validate_args)
+    with validate_together(enabled, anchor, name="anchor", validate=validate) as v:
         _checks.check_reduction(reduction)
-        _temperature(temperature)
+        _temperature(temperature, validate)
         _checks.check_chunk_size(chunk_size)
         dtype = getattr(anchor, "dtype", None)
         if dtype is not None and dtype == getattr(candidates, "dtype", None):
             anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
-        x = _embeddings(anchor, "anchor", "(B, D)", normalize, v.min_batch)
-        y = _embeddings(candidates, "candidates", "(B, D)", normalize, v.min_batch)
+        x = _embeddings(anchor, "anchor", "(B, D)", normalize, v.min_batch, validate)
+        y = _embeddings(candidates, "candidates", "(B, D)", normalize, v.min_batch, validate)
         _check_pair(x, "anchor", y, "candidates")
         b = x.shape[0]
-        r = _radius_tensor(radius, b, x)
+        r = _radius_tensor(radius, b, x, validate)
         if mask is not None:
             mask = _check_row_mask(mask, b, x)
         v.batch = b
         v.agree(anchor=x, candidates=y)
-    y_all, offset = _gather(y, enabled)
-    m_all = None if mask is None else (all_gather_no_grad(mask) if enabled else mask)
+    y_all, offset = _gather(y, enabled, validate)
+    m_all = None if mask is None else _gather_no_grad(mask, enabled, validate)
     r = r[None] if isinstance(r, Tensor) and r.dim() == 1 else r
     col_mask = None if m_all is None else m_all[None]
     if chunk_size is None:
@@ -377,6 +383,9 @@ class RadiusPredictor(nn.Module):
         num_features: :math:`F \ge 2`, the positive plus :math:`F - 1` negatives.
         hidden: width of the two hidden layers.
         radius_init: the initial radius (bias of the last layer).
+        validate_args: the value check of the similarities (NaN/Inf, the bound; a host
+            sync) on, off or ``None`` (the global default,
+            :func:`contrastive_losses.set_default_validate_args`).
 
     Shape:
         ``forward(similarities (..., B, N), offset=0, mask=(..., N))`` -> ``(..., B)``; the
@@ -391,9 +400,18 @@ class RadiusPredictor(nn.Module):
         tensor([0.1000, 0.1000, 0.1000, 0.1000, 0.1000], grad_fn=<SqueezeBackward1>)
     """
 
-    def __init__(self, num_features: int = 32, hidden: int = 64, radius_init: float = 0.1) -> None:
+    def __init__(
+        self,
+        num_features: int = 32,
+        hidden: int = 64,
+        radius_init: float = 0.1,
+        *,
+        validate_args: bool | None = None,
+    ) -> None:
         super().__init__()
         self.num_features = _checks.check_int(num_features, "num_features", 2)
+        _checks.resolve_validate(validate_args)  # the type
+        self.validate_args = validate_args
         _checks.check_int(hidden, "hidden", 1)
         _checks.check_non_negative(radius_init, "radius_init")
         last = nn.Linear(hidden, 1)
@@ -405,6 +423,14 @@ class RadiusPredictor(nn.Module):
 
     def features(self, similarities: Tensor, offset: int = 0, mask: Tensor | None = None) -> Tensor:
         """The detached ``(..., B, num_features)`` input rows ``[s_pos, sorted negatives]``."""
+        return self._features(
+            similarities, offset, mask, _checks.resolve_validate(self.validate_args)
+        )
+
+    def _features(
+        self, similarities: Tensor, offset: int, mask: Tensor | None, validate: bool
+    ) -> Tensor:
+        """:meth:`features`, the value check of the similarities with ``validate`` only."""
         s = _checks.check_tensor(similarities, "similarities")
         _checks.check_float(s, "similarities")
         _checks.check_materialised(s, "similarities")
@@ -415,7 +441,8 @@ class RadiusPredictor(nn.Module):
         b, n = s.shape[-2], s.shape[-1]
         if n < 2:
             raise ValueError(f"similarities: need N >= 2 candidates (a negative), got N={n}")
-        _check_similarity_peak(s)
+        if validate:
+            _check_similarity_peak(s)
         _checks.check_int(offset, "offset", 0)
         if offset + b > n:
             raise ValueError(f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns")
@@ -523,6 +550,12 @@ class SupportVectorRegularizer(nn.Module):
         num_features: predictor input size (positive + negatives), ``>= 2``.
         hidden: predictor hidden width.
         temperature: fixed SVR temperature overriding the base's, :math:`\tau \ge 10^{-4}`.
+        validate_args: the regulariser's value checks (NaN/Inf and zero embeddings, the
+            predictor's similarities) and the two training warnings above (each a host
+            sync) on, off or ``None`` (the global default,
+            :func:`contrastive_losses.set_default_validate_args`). The base keeps its own
+            ``validate_args``: turn both off, or use the global default, for a step
+            with no host sync.
 
     Shape:
         ``forward(*base_args, return_terms=False, **base_kwargs)`` takes exactly the
@@ -557,8 +590,11 @@ class SupportVectorRegularizer(nn.Module):
         num_features: int = 32,
         hidden: int = 64,
         temperature: float | None = None,
+        *,
+        validate_args: bool | None = None,
     ) -> None:
         super().__init__()
+        _checks.resolve_validate(validate_args)  # the type
         if not isinstance(base, nn.Module) or not callable(
             getattr(base, "contrastive_pairs", None)
         ):
@@ -592,7 +628,9 @@ class SupportVectorRegularizer(nn.Module):
             if radius == "static":
                 self.radius = nn.Parameter(torch.tensor(float(radius_init)))
             else:
-                self.predictor = RadiusPredictor(num_features, hidden, radius_init)
+                self.predictor = RadiusPredictor(
+                    num_features, hidden, radius_init, validate_args=validate_args
+                )
         elif isinstance(radius, (int, float)) and not isinstance(radius, bool):
             _checks.check_non_negative(radius, "radius")
             check_radius(radius)
@@ -603,6 +641,7 @@ class SupportVectorRegularizer(nn.Module):
                 f"radius: expected 'static', 'dynamic' or a float, got {type(radius).__name__}"
             )
         self.constraint = self.radius_mode == "dynamic" if constraint is None else constraint
+        self.validate_args = validate_args
         self._reset_monitor()
 
     def extra_repr(self) -> str:
@@ -631,26 +670,22 @@ class SupportVectorRegularizer(nn.Module):
         else:
             base_loss = self.base(*args, **kwargs)
         pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
-        svr, constraint, radii, over, slope = self._regularise(pairs, return_terms)
+        validate = _checks.resolve_validate(self.validate_args)
+        svr, constraint, radius_terms, over = self._regularise(pairs, return_terms, validate)
         loss = base_loss + (self.alpha * svr).to(base_loss.dtype)
         if self.constraint:
             loss = loss + (self.beta * constraint).to(base_loss.dtype)
-        if self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if validate and self.training and torch.is_grad_enabled():
             self._monitor(over)
         if not return_terms:
             return loss
-        r = radii.detach()
         terms = dict(terms)
         terms.update(
             base=base_loss.detach(),
             svr=svr.detach(),
             constraint=constraint.detach(),
-            radius_mean=r.mean(),
-            radius_std=r.std(unbiased=False),
-            radius_min=r.min(),
-            radius_max=r.max(),
+            **cast(dict[str, Tensor], radius_terms),
             radius_over_distance=over,
-            svr_radius_slope=cast(Tensor, slope),
         )
         return loss, terms
 
@@ -750,12 +785,13 @@ class SupportVectorRegularizer(nn.Module):
     # ------------------------------------------------------------------ internals
 
     def _regularise(
-        self, pairs: list[Any], with_slope: bool = False
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        self, pairs: list[Any], with_terms: bool = False, validate: bool = True
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor] | None, Tensor]:
         """SVR and constraint terms (per-direction means over every present anchor, summed
-        over the directions and halved), the radii used, the share of anchors whose radius
-        exceeds ``||a - t||`` (their perpendicular pushes change sign) and, with
-        ``with_slope``, the mean of ``tau * d(row)/dR`` over the anchors.
+        over the directions and halved), with ``with_terms`` the radius terms (the radii's
+        mean, std, min and max and the mean of ``tau * d(row)/dR`` over the present
+        anchors), and the share of anchors whose radius exceeds ``||a - t||`` (their
+        perpendicular pushes change sign). ``validate``: the value checks (host syncs).
 
         Matmuls run per pair (and per distinct tensor for the positive-candidate Gram
         matrices, e.g. KCL's audio once for all languages); everything after them runs
@@ -764,23 +800,24 @@ class SupportVectorRegularizer(nn.Module):
         """
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
-        local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled)
+        local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled, validate)
         chunk_size = getattr(self.base, "chunk_size", None)
         if chunk_size is not None:
             return self._regularise_tiled(
-                pairs, local, glob, keys, b, offset, enabled, with_slope, chunk_size
+                pairs, local, glob, keys, b, offset, enabled, with_terms, chunk_size, validate
             )
         sims, pos_sims, dist = _pair_similarities(local, glob, keys, self.direction, enabled)
-        row_mask, col_mask = _pair_masks(pairs, b, sims, enabled)
+        row_mask, col_mask = _pair_masks(pairs, b, sims, enabled, validate)
 
         temperature = self._detached_temperature()
         if self.predictor is None:
             radius = self.radius.to(sims.dtype)  # ()
         else:  # SupCLAP's s = cos / tau, detached inside the predictor
-            radius = self.predictor(sims / temperature, offset, col_mask)  # (Q, b)
+            features = self.predictor._features(sims / temperature, offset, col_mask, validate)
+            radius = self.predictor._from_features(features)  # (Q, b)
         logits = _support_vector_logits(sims, pos_sims, dist, radius, temperature, col_mask)
         rows = _logit_rows(logits, offset)  # (Q, b)
-        slope = _radius_slope(logits, sims, pos_sims, dist, offset) if with_slope else None
+        slope = _radius_slope(logits, sims, pos_sims, dist, offset) if with_terms else None
         con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
         batch = _batch(offset, sims.shape[-1], enabled)
         return _anchor_means(
@@ -801,15 +838,16 @@ class SupportVectorRegularizer(nn.Module):
         b: int,
         offset: int,
         enabled: bool,
-        with_slope: bool,
+        with_terms: bool,
         chunk_size: int,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        validate: bool,
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor] | None, Tensor]:
         """:meth:`_regularise` over column tiles (the base's ``chunk_size``): no
         ``(Q, b, N)`` similarities; the predictor's top negatives come from a running
         top-k over the tiles."""
         x, y, y_pos = _pair_problems(local, glob, keys, self.direction)
         dist = _distance(x, y_pos)  # (Q, b)
-        row_mask, col_mask = _pair_masks(pairs, b, x, enabled)
+        row_mask, col_mask = _pair_masks(pairs, b, x, enabled, validate)
         temperature = self._detached_temperature()
         if self.predictor is None:
             radius = self.radius.to(x.dtype)  # ()
@@ -817,13 +855,14 @@ class SupportVectorRegularizer(nn.Module):
             k = self.predictor.num_features - 1
             parts = _tiled_top_negatives(x, y, k, offset, col_mask, chunk_size)
             features = _assemble_features(*(p / temperature for p in parts))
-            _check_similarity_peak(features)
+            if validate:
+                _check_similarity_peak(features)
             radius = self.predictor._from_features(features)  # (Q, b)
         rows, support = _tiled_support_vector_rows(
             x, y, y_pos, dist, radius, temperature, offset, col_mask, chunk_size
         )
         slope = None
-        if with_slope:
+        if with_terms:
             slope = _tiled_radius_slope(support, rows, x, y, y_pos, dist, col_mask, chunk_size)
         con = F.relu(radius - dist.detach()) + F.relu(-radius)  # (Q, b), or () if static
         batch = _batch(offset, y.shape[1], enabled)
@@ -833,7 +872,7 @@ class SupportVectorRegularizer(nn.Module):
 
 
 def _prepare_pairs(
-    pairs: list[Any], normalize: bool, enabled: bool
+    pairs: list[Any], normalize: bool, enabled: bool, validate: bool = True
 ) -> tuple[dict[int, Tensor], dict[int, Tensor], list[tuple[int, int]], int, int]:
     """The pairs' tensors checked, upcast from half precision and normalised once each
     (``id(raw tensor) ->`` local rows ``(b, D)``), gathered (``->`` global rows
@@ -850,14 +889,15 @@ def _prepare_pairs(
                 )
             x = _upcast_half(x)  # float32 inside, as support_vector_term
             if normalize:  # masked rows may be zero padding, as in the base (KCL)
-                x = l2_normalize(x, _checks.check_row_norms(x, name, mask=mask))
+                norms = _checks.check_row_norms(x, name, mask=mask, validate=validate)
+                x = l2_normalize(x, norms)
             local[key] = x
         return key
 
     # Every check before the first collective, and together: a rank failing alone
     # raises on every rank instead of leaving the others in the gather.
     first = pairs[0].audio if pairs else None
-    with validate_together(enabled, first) as v:
+    with validate_together(enabled, first, validate=validate) as v:
         if len(pairs) == 0:
             raise ValueError("base: contrastive_pairs returned no pairs")
         # The mask marks absent captions: text rows only (one audio serves every language).
@@ -873,7 +913,7 @@ def _prepare_pairs(
         v.agree(audio=local[keys[0][0]], text=local[keys[0][1]])
     offset = 0
     for key, x in local.items():  # the same order on every rank
-        glob[key], offset = _gather(x, enabled)
+        glob[key], offset = _gather(x, enabled, validate)
     return local, glob, keys, b, offset
 
 
@@ -933,7 +973,7 @@ def _pair_similarities(
 
 
 def _pair_masks(
-    pairs: list[Any], b: int, like: Tensor, enabled: bool
+    pairs: list[Any], b: int, like: Tensor, enabled: bool, validate: bool = True
 ) -> tuple[Tensor | None, Tensor | None]:
     """Present anchors ``(Q, b)`` and present candidates ``(Q, N)`` from the pairs'
     masks (absent captions), or ``(None, None)`` when no pair has a mask; ``like`` is
@@ -944,7 +984,7 @@ def _pair_masks(
     mask = torch.stack([ones if p.mask is None else p.mask for p in pairs], dim=1)
     mask = mask.repeat(1, like.shape[0] // len(pairs))  # (b, Q)
     row_mask = mask.T  # (Q, b)
-    col_mask = (all_gather_no_grad(mask) if enabled else mask).T.contiguous()  # (Q, N)
+    col_mask = _gather_no_grad(mask, enabled, validate).T.contiguous()  # (Q, N)
     return row_mask, col_mask
 
 
@@ -958,19 +998,28 @@ def _anchor_means(
     col_mask: Tensor | None,
     batch: _Batch,
     direction: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor] | None, Tensor]:
     """SVR and constraint means over the present anchors of every direction (halved for
-    ``"uni"``: SupCLAP's Eq. 5-6 sum the directions, the base is their mean), the radii,
-    the share of radii above the distance and the mean radius slope."""
-    radii = radius.expand_as(rows)
+    ``"uni"``: SupCLAP's Eq. 5-6 sum the directions, the base is their mean), the radius
+    terms (with ``slope``: the radii's mean, std, min and max and the mean radius slope)
+    and the share of radii above the distance; all over the present anchors, with masks
+    rather than boolean indexing (which would read the mask back: a host sync)."""
     over = (radius.detach() > dist.detach()).expand_as(rows)
     con = con.expand_as(rows)
     if row_mask is not None:
         rows = torch.where(row_mask, rows, torch.zeros_like(rows))
         con = torch.where(row_mask, con, torch.zeros_like(con))
-        radii = radii[row_mask]
-        over = over[row_mask]
-        slope = None if slope is None else slope[row_mask]
+    radius_terms = None
+    if slope is not None:
+        r = radius.detach().expand_as(rows)
+        mean = _masked_mean(r, row_mask)
+        radius_terms = {
+            "radius_mean": mean,
+            "radius_std": _masked_mean((r - mean).square(), row_mask).sqrt(),
+            "radius_min": _masked_fill(r, row_mask, float("inf")).amin(),
+            "radius_max": _masked_fill(r, row_mask, float("-inf")).amax(),
+            "svr_radius_slope": _masked_mean(slope, row_mask),
+        }
     count: Tensor | int = batch.n_global * rows.shape[0]
     if col_mask is not None:
         count = col_mask.sum().clamp_min(1)
@@ -978,8 +1027,19 @@ def _anchor_means(
         count = count * 2
     svr = _reduce(rows, "mean", count, batch)
     constraint = _reduce(con, "mean", count, batch)
-    mean_slope = None if slope is None else slope.mean()
-    return svr, constraint, radii.reshape(-1), over.to(rows.dtype).mean(), mean_slope
+    return svr, constraint, radius_terms, _masked_mean(over.to(rows.dtype), row_mask)
+
+
+def _masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
+    """Mean of ``x`` over the entries where ``mask`` (same shape) is True (NaN if none)."""
+    if mask is None:
+        return x.mean()
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum()
+
+
+def _masked_fill(x: Tensor, mask: Tensor | None, value: float) -> Tensor:
+    """``x`` with ``value`` where ``mask`` is False."""
+    return x if mask is None else x.masked_fill(~mask, value)
 
 
 def _check_base_reduction(base: nn.Module) -> None:

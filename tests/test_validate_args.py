@@ -1,0 +1,389 @@
+"""``validate_args`` and ``set_default_validate_args``: with the value checks off, a
+forward and backward of every loss make no host-device sync (counted on CPU with a
+``TorchFunctionMode``, :class:`helpers.HostSyncCounter`; on CUDA with
+``torch.cuda.set_sync_debug_mode("error")``), give the values and gradients of the
+checked run, and the static checks (shapes, dtypes, arguments) still raise. With them
+on (the default) the same runs do sync: the counter sees them, so it can fail."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import HostSyncCounter, init_gloo, spawn_ranks
+
+import contrastive_losses as cl
+from contrastive_losses import (
+    CACLLoss,
+    InfoNCELoss,
+    KCLLoss,
+    RadiusPredictor,
+    SigLIPLoss,
+    SupportVectorRegularizer,
+)
+from contrastive_losses import functional as CF
+from contrastive_losses.distributed import validate_together
+
+B, K, D = 6, 3, 8
+
+
+@pytest.fixture(autouse=True)
+def _restore_default():
+    yield
+    cl.set_default_validate_args(True)
+
+
+def _data(dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(B, K, generator=g) < 0.7
+    mask[:, 0] = True
+    knowledge = [
+        F.normalize(torch.randn(B, 3, 2, D, generator=g, dtype=dtype), dim=-1) for _ in range(4)
+    ]
+    return {
+        "a": torch.randn(B, D, generator=g, dtype=dtype),
+        "t": torch.randn(B, D, generator=g, dtype=dtype),
+        "tk": torch.randn(B, K, D, generator=g, dtype=dtype),
+        "mask": mask,
+        "ids": torch.tensor([0, 1, 2, 0, 3, 4]),
+        "other": torch.tensor([1, 2, 1, 2, 1, 1]),
+        "radius": torch.rand(B, generator=g, dtype=dtype) * 0.3,
+        "sims": torch.randn(B, B, generator=g, dtype=dtype),
+        "knowledge": knowledge,  # type: ignore[dict-item]
+    }
+
+
+# name -> (build(validate_args) -> (callable, Module or None), inputs(data) -> (args, kwargs)).
+# Every loss, with its learnable parameters, masks, ids and the tiled path (chunk_size).
+Case = tuple[Callable[[Any], tuple[Callable[..., Any], torch.nn.Module | None]], Callable]
+
+
+def _module(cls: Callable[..., torch.nn.Module], **kw: Any):
+    def build(v: Any):
+        m = cls(validate_args=v, **kw)
+        return m, m
+
+    return build
+
+
+def _svr(base: Callable[[], torch.nn.Module], **kw: Any):
+    def build(v: Any):
+        m = SupportVectorRegularizer(base(), validate_args=v, **kw)
+        m.base.validate_args = v
+        return m, m
+
+    return build
+
+
+def _fn(f: Callable[..., Any]):
+    return lambda v: (lambda *a, **k: f(*a, validate_args=v, **k), None)
+
+
+def _ask(d: dict, *, validate_args: Any) -> torch.Tensor:
+    fa, ft, ca, ct = d["knowledge"]
+    return CF.ask(d["a"], d["t"], fa, ft, ca, ct, validate_args=validate_args)
+
+
+CASES: dict[str, Case] = {
+    "info_nce": (
+        _module(InfoNCELoss, learnable_temperature=True),
+        lambda d: ((d["a"], d["t"]), {}),
+    ),
+    "info_nce_ids_chunk": (
+        _module(InfoNCELoss, learnable_temperature=True, chunk_size=4),
+        lambda d: ((d["a"], d["t"], d["ids"]), {}),
+    ),
+    "siglip": (_module(SigLIPLoss), lambda d: ((d["a"], d["t"]), {})),
+    "siglip_ids_chunk": (
+        _module(SigLIPLoss, chunk_size=4),
+        lambda d: ((d["a"], d["t"], d["ids"]), {}),
+    ),
+    "kcl_mask": (
+        _module(KCLLoss, learnable_temperature=True),
+        lambda d: ((d["a"], d["tk"], d["mask"]), {}),
+    ),
+    "kcl_all_languages_chunk": (
+        _module(KCLLoss, negatives="all_languages", chunk_size=4),
+        lambda d: ((d["a"], d["tk"], d["mask"]), {}),
+    ),
+    "cacl": (
+        _module(CACLLoss, learnable_temperature=True),
+        lambda d: ((d["a"], d["t"], d["tk"][:, 1]), {}),
+    ),
+    "cacl_index_mask": (
+        _module(CACLLoss),
+        lambda d: ((d["a"], d["tk"], d["other"]), {"mask": torch.ones(B, K, dtype=torch.bool)}),
+    ),
+    "svr_static": (
+        _svr(lambda: InfoNCELoss(learnable_temperature=True), radius="static"),
+        lambda d: ((d["a"], d["t"]), {"return_terms": True}),
+    ),
+    "svr_dynamic_kcl_mask": (
+        _svr(lambda: KCLLoss(learnable_temperature=True)),
+        lambda d: ((d["a"], d["tk"], d["mask"]), {"return_terms": True}),
+    ),
+    "svr_dynamic_siglip_chunk": (
+        _svr(lambda: SigLIPLoss(chunk_size=4)),
+        lambda d: ((d["a"], d["t"]), {"return_terms": True}),
+    ),
+    "svr_fixed_uni_cacl": (
+        _svr(lambda: CACLLoss(), radius=0.2, direction="uni"),
+        lambda d: ((d["a"], d["t"], d["tk"][:, 1]), {}),
+    ),
+    "support_vector_term": (
+        _fn(CF.support_vector_term),
+        lambda d: ((d["t"], d["a"], d["radius"], 0.1), {"mask": d["mask"][:, 1]}),
+    ),
+    "radius_predictor": (_module(RadiusPredictor, num_features=4), lambda d: ((d["sims"],), {})),
+    "ask": (lambda v: (lambda d: _ask(d, validate_args=v), None), lambda d: ((d,), {})),
+}
+
+
+def _leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The float tensors among the inputs (nested in the ASK data dict too)."""
+    out = []
+    for x in [*args, *kwargs.values()]:
+        xs = x.values() if isinstance(x, dict) else [x]
+        out += [t for t in xs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return out
+
+
+def _step(fn: Callable[..., Any], module: torch.nn.Module | None, args: tuple, kwargs: dict):
+    """One forward and backward; returns the loss and every gradient (inputs, parameters)."""
+    leaves = _leaves(args, kwargs)
+    for x in leaves:
+        x.requires_grad_(True)
+        x.grad = None
+    params = [] if module is None else [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    out = fn(*args, **kwargs)
+    loss = out[0] if isinstance(out, tuple) else out
+    loss = loss.sum() if loss.dim() else loss
+    loss.backward()
+    return loss.detach(), [x.grad for x in leaves + params]
+
+
+def _run_counted(name: str, validate_args: Any, steps: int = 1) -> tuple[HostSyncCounter, Any]:
+    build, inputs = CASES[name]
+    torch.manual_seed(0)  # the radius predictor's initial weights
+    fn, module = build(validate_args)
+    args, kwargs = inputs(_data())
+    with HostSyncCounter() as counter:
+        for _ in range(steps):
+            result = _step(fn, module, args, kwargs)
+    return counter, result
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checks_off_make_no_host_sync(name: str) -> None:
+    """30 training steps (the SVR monitor reads every 25) with validate_args=False sync
+    nowhere, the learnable temperature's clamp and the tiled kernels included; the same
+    step with the checks on syncs (the counter sees it)."""
+    on, _ = _run_counted(name, True)
+    assert on.total > 0, f"{name}: the counter saw no sync with the checks on"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # SVR training warnings are off anyway
+        off, _ = _run_counted(name, False, steps=30)
+    assert off.counts == {}, f"{name}: host syncs with validate_args=False: {off.counts}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checks_off_give_the_same_loss_and_gradients(name: str) -> None:
+    _, (loss_on, grads_on) = _run_counted(name, True)
+    _, (loss_off, grads_off) = _run_counted(name, False)
+    torch.testing.assert_close(loss_off, loss_on, rtol=1e-12, atol=1e-12)
+    assert len(grads_on) == len(grads_off) > 0
+    for g_off, g_on in zip(grads_off, grads_on, strict=True):
+        torch.testing.assert_close(g_off, g_on, rtol=1e-12, atol=1e-12)
+
+
+def test_global_default_and_per_object_override() -> None:
+    """``None`` follows set_default_validate_args; True or False on the object wins."""
+    cl.set_default_validate_args(False)
+    off, _ = _run_counted("info_nce", None)
+    assert off.total == 0
+    forced, _ = _run_counted("info_nce", True)
+    assert forced.total > 0
+    cl.set_default_validate_args(True)
+    on, _ = _run_counted("info_nce", None)
+    assert on.total > 0
+    local_off, _ = _run_counted("info_nce", False)
+    assert local_off.total == 0
+
+
+def test_validate_args_types_are_checked() -> None:
+    with pytest.raises(TypeError, match="value: expected True or False"):
+        cl.set_default_validate_args(1)  # type: ignore[arg-type]
+    for make in (
+        lambda: InfoNCELoss(validate_args="no"),
+        lambda: SigLIPLoss(validate_args=0),
+        lambda: SupportVectorRegularizer(InfoNCELoss(), validate_args="off"),
+        lambda: RadiusPredictor(validate_args=1),
+    ):
+        with pytest.raises(TypeError, match="validate_args: expected None, True or False"):
+            make()
+    a = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="validate_args"):
+        CF.info_nce(a, a, validate_args="yes")  # type: ignore[arg-type]
+
+
+def test_static_checks_stay_and_value_checks_go() -> None:
+    a, t = torch.randn(4, 8), torch.randn(4, 8)
+    for validate in (True, False):
+        with pytest.raises(ValueError, match=r"text: batch size B 3 does not match"):
+            CF.info_nce(a, t[:3], validate_args=validate)
+        with pytest.raises(TypeError, match=r"text: dtype torch\.float64"):
+            CF.info_nce(a, t.double(), validate_args=validate)
+        with pytest.raises(ValueError, match="reduction"):
+            CF.kcl(a, t[:, None], reduction="avg", validate_args=validate)
+        with pytest.raises(ValueError, match="temperature: must be a finite number > 0"):
+            CF.info_nce(a, t, -1.0, validate_args=validate)  # a float: no sync to check it
+    bad = a.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"audio: contains 1 NaN/Inf"):
+        CF.info_nce(bad, t)
+    assert torch.isnan(CF.info_nce(bad, t, validate_args=False))  # the documented contract
+    with pytest.raises(ValueError, match="temperature: must be a finite number > 0"):
+        CF.info_nce(a, t, torch.tensor(-1.0))
+    CF.info_nce(a, t, torch.tensor(-1.0), validate_args=False)  # not read: no error
+
+
+def test_svr_training_warnings_need_the_checks() -> None:
+    """The stuck-radius and radius-above-distance warnings are value checks: they fire
+    with the checks on and are off (no read-back) with them off."""
+
+    def run(validate: bool) -> list[str]:
+        svr = SupportVectorRegularizer(
+            InfoNCELoss(validate_args=validate), radius="static", radius_init=5.0,
+            beta=0.0, validate_args=validate,
+        )  # fmt: skip
+        svr.stuck_after, svr.over_distance_steps, svr.over_distance_check_every = 2, 2, 1
+        a, t = torch.randn(6, 8), torch.randn(6, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):  # no optimizer: the radius gets gradients but never moves
+                svr(a, t).backward()
+        return [str(w.message) for w in caught]
+
+    on = run(True)
+    assert any("never changed" in m for m in on) and any("stayed above 0.5" in m for m in on)
+    assert run(False) == []
+
+
+def test_validate_together_adds_no_collective_without_checks(monkeypatch) -> None:
+    """Under gather with the checks off, validate_together neither gathers the flags nor
+    re-raises on every rank: an error is this rank's own."""
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "all_gather", lambda *a, **k: calls.append("all_gather"))
+    with validate_together(True, torch.zeros(2), validate=False) as v:
+        assert v.min_batch == 0
+    with pytest.raises(ValueError, match=r"^local$"):
+        with validate_together(True, torch.zeros(2), validate=False):
+            raise ValueError("local")
+    assert calls == []
+    # With the checks the flags are gathered (the stub leaves them zero: no batch anywhere).
+    with pytest.raises(ValueError, match="global batch size 0"):
+        with validate_together(True, torch.zeros(2)) as v:
+            v.batch = 2
+    assert calls == ["all_gather"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_sync_on_cuda(name: str) -> None:
+    build, inputs = CASES[name]
+    fn, module = build(False)
+    if module is not None:
+        module.cuda()
+    data = {
+        k: [t.cuda() for t in v] if isinstance(v, list) else v.cuda() for k, v in _data().items()
+    }
+    args, kwargs = inputs(data)
+    _step(fn, module, args, kwargs)  # warm-up: lazy initialisation may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(fn, module, args, kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# ------------------------------------------------------------------ two gloo processes
+
+SIZES = 4  # per rank: with the checks off the ranks must hold equal batch sizes
+
+
+def _dist_losses() -> dict[str, Callable[..., torch.Tensor]]:
+    return {
+        "info_nce_ids": lambda a, t, m, i: CF.info_nce(a, t[:, 0], 0.2, ids=i, validate_args=False),
+        "siglip_chunk": lambda a, t, m, i: CF.siglip(a, t[:, 0], chunk_size=3, validate_args=False),
+        "kcl_mask": lambda a, t, m, i: CF.kcl(a, t, 0.2, mask=m, validate_args=False),
+        "kcl_mask_chunk": lambda a, t, m, i: CF.kcl(
+            a, t, 0.2, mask=m, chunk_size=3, validate_args=False
+        ),
+        "cacl": lambda a, t, m, i: CF.cacl(a, t[:, 0], t[:, 1], 0.2, validate_args=False),
+        "svr_term": lambda a, t, m, i: CF.support_vector_term(
+            t[:, 1], a, 0.3, 0.2, mask=m[:, 1], validate_args=False
+        ),
+    }
+
+
+def _dist_data() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(2 * SIZES, K, generator=g) < 0.6
+    mask[:, 0] = True
+    return {
+        "audio": torch.randn(2 * SIZES, D, generator=g, dtype=torch.float64),
+        "text": torch.randn(2 * SIZES, K, D, generator=g, dtype=torch.float64),
+        "mask": mask,
+        "ids": torch.tensor([0, 1, 2, 3, 0, 4, 2, 5]),
+    }
+
+
+def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    init_gloo(rank, world, init_method)
+    try:
+        data = _dist_data()
+        rows = slice(rank * SIZES, (rank + 1) * SIZES)
+        results = {}
+        for name, fn in _dist_losses().items():
+            a = data["audio"][rows].clone().requires_grad_()
+            t = data["text"][rows].clone().requires_grad_()
+            with HostSyncCounter() as counter:
+                loss = fn(a, t, data["mask"][rows], data["ids"][rows])
+                loss.backward()
+            results[name] = (loss.detach(), a.grad, t.grad, counter.total)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("dist_off"))
+
+
+@pytest.mark.parametrize("name", list(_dist_losses()))
+def test_gathered_without_checks_matches_single_process_and_never_syncs(rank_results, name):
+    """Equal batches on two ranks, checks off: no size exchange, no joint validation, no
+    host sync, and the loss and gradients of the single process on the whole batch."""
+    data = _dist_data()
+    a = data["audio"].clone().requires_grad_()
+    t = data["text"].clone().requires_grad_()
+    loss = _dist_losses()[name](a, t, data["mask"], data["ids"])
+    loss.backward()
+    assert [r[name][3] for r in rank_results] == [0, 0]
+    mean = sum(r[name][0] for r in rank_results) / 2
+    torch.testing.assert_close(mean, loss.detach(), rtol=1e-6, atol=0)
+    for i, x in ((1, a), (2, t)):
+        grad = torch.cat([r[name][i] for r in rank_results]) / 2
+        torch.testing.assert_close(grad, x.grad, rtol=1e-6, atol=1e-12)
