@@ -227,7 +227,9 @@ def _tile_logits(xc: Tensor, yt: Tensor) -> Tensor:
     ``(Q, b, D)``. A shared ``xc`` takes one GEMM, ``(b, D) @ (D, Q*c)``, viewed as
     ``(Q, b, c)``: ``matmul``'s broadcasting computes the transposed product and copies
     it, a pass over the tile that cost as much as the GEMM itself."""
-    if xc.dim() == 3:
+    if xc.dim() == 3 or torch.compiler.is_compiling():
+        # traced, the in-place ops on the tile cannot replay through the transposed view;
+        # the compiler picks its own layout
         return xc @ yt.mT
     q, c, d = yt.shape
     return (xc @ yt.reshape(q * c, d).T).view(xc.shape[0], q, c).transpose(0, 1)
@@ -423,7 +425,10 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 grad_x.baddbmm_(p, yt)  # (Q, b, D), accumulated in place
             elif grad_x is not None:  # shared rows: one GEMM sums over the Q problems
                 q, c, d = yt.shape
-                grad_x.addmm_(p.transpose(0, 1).reshape(p.shape[1], q * c), yt.reshape(q * c, d))
+                # p is laid out (b, Q, c) in eager (a view of one GEMM), so this is no copy;
+                # .contiguous() spells it for tracers that lay p out (Q, b, c)
+                p_rows = p.transpose(0, 1).contiguous().view(p.shape[1], q * c)
+                grad_x.addmm_(p_rows, yt.reshape(q * c, d))
             if grad_y is not None:
                 grad_y[:, c0:c1] = p.mT @ xc
         gx_out = None if grad_x is None else grad_x.to(x.dtype)
