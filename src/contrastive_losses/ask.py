@@ -49,7 +49,7 @@ from .distributed import (
     resolve_gather,
     validate_together,
 )
-from .ot import _EXP_MAX_RANGE, sinkhorn
+from .ot import EXP_MAX_RANGE, sinkhorn
 
 __all__ = ["ASKLoss", "ask", "inject", "reliability"]
 
@@ -371,7 +371,7 @@ def _static_sinkhorn_method(audio: Tensor, normalize: bool, epsilon: float) -> s
     """Sinkhorn's method chosen without reading the scores (no value checks): ``"exp"``
     on CPU when ``(max S - min S) / epsilon <= 200`` follows from the arguments, i.e.
     ``normalize`` with knowledge rows of norm at most 1 (``|S| <= 1``), else ``"log"``."""
-    bounded = normalize and 2.0 / epsilon <= _EXP_MAX_RANGE
+    bounded = normalize and 2.0 / epsilon <= EXP_MAX_RANGE
     return "exp" if audio.device.type == "cpu" and bounded else "log"
 
 

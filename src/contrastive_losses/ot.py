@@ -26,7 +26,7 @@ __all__ = ["sinkhorn"]
 _METHODS = ("auto", "log", "exp")
 # Largest (max - min) / epsilon of a score slice for which the exp-domain kernel (float64,
 # absorbed after one log step) has no underflowing entry: entries >= exp(-2 * 200).
-_EXP_MAX_RANGE = 200.0
+EXP_MAX_RANGE = 200.0
 
 
 def sinkhorn(
@@ -144,11 +144,11 @@ def sinkhorn(
         if fits and validate:
             flat = scores.detach().flatten(-2)
             spread = float((flat.amax(-1) - flat.amin(-1)).max()) / eps
-            fits = spread <= _EXP_MAX_RANGE
+            fits = spread <= EXP_MAX_RANGE
             if not fits and method == "exp":
                 raise ValueError(
                     f"epsilon: {eps} is too small for method='exp' on these scores "
-                    f"((max - min) / epsilon = {spread:.3g} > {_EXP_MAX_RANGE:g}); "
+                    f"((max - min) / epsilon = {spread:.3g} > {EXP_MAX_RANGE:g}); "
                     "use method='log' or 'auto'"
                 )
         method = "exp" if fits else "log"
