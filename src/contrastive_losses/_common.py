@@ -203,7 +203,38 @@ class ContrastivePair(NamedTuple):
     mask: Tensor | None = None
 
 
-class _TemperatureMixin(nn.Module):
+class _LossSettings(nn.Module):
+    """The settings every loss Module holds and passes to its functional form."""
+
+    def _init_settings(
+        self,
+        normalize: bool,
+        reduction: str,
+        gather: bool | None,
+        chunk_size: int | None,
+        validate_args: bool | None,
+    ) -> None:
+        """Check and keep the settings."""
+        _checks.check_reduction(reduction)
+        _checks.resolve_validate(validate_args)  # the type
+        self.normalize = normalize
+        self.reduction = reduction
+        self.gather = gather
+        self.chunk_size = _checks.check_chunk_size(chunk_size)
+        self.validate_args = validate_args
+
+    def _settings(self) -> dict[str, Any]:
+        """The keyword arguments of the functional forms that these settings fill."""
+        return {
+            "normalize": self.normalize,
+            "reduction": self.reduction,
+            "gather": self.gather,
+            "chunk_size": self.chunk_size,
+            "validate_args": self.validate_args,
+        }
+
+
+class _TemperatureMixin(_LossSettings):
     """Fixed or learnable temperature; learnable as a log logit scale clamped at
     ``max_logit_scale`` (CLIP's 100), so the temperature never falls below 1/100."""
 
@@ -230,40 +261,13 @@ class _TemperatureMixin(nn.Module):
         else:
             self.register_buffer("log_logit_scale", log_scale)
 
-    def _init_settings(
-        self,
-        normalize: bool,
-        reduction: str,
-        gather: bool | None,
-        chunk_size: int | None,
-        validate_args: bool | None,
-    ) -> None:
-        """The settings every temperature-scaled loss Module holds, checked."""
-        _checks.check_reduction(reduction)
-        _checks.resolve_validate(validate_args)  # the type
-        self.normalize = normalize
-        self.reduction = reduction
-        self.gather = gather
-        self.chunk_size = _checks.check_chunk_size(chunk_size)
-        self.validate_args = validate_args
-
     def _loss(
         self, fn: Callable[..., Any], *args: Any, return_terms: bool, **kwargs: Any
     ) -> Tensor | tuple[Tensor, Terms]:
         """``fn(*args, temperature, ...)`` with this Module's settings; ``terms`` also
         get the current temperature."""
         temperature = self.temperature
-        out = fn(
-            *args,
-            temperature,
-            normalize=self.normalize,
-            reduction=self.reduction,
-            gather=self.gather,
-            return_terms=return_terms,
-            chunk_size=self.chunk_size,
-            validate_args=self.validate_args,
-            **kwargs,
-        )
+        out = fn(*args, temperature, return_terms=return_terms, **self._settings(), **kwargs)
         return _with_terms(out, return_terms, temperature=temperature)
 
     @property

@@ -23,6 +23,7 @@ from ._common import (
     _finish,
     _gather,
     _gather_no_grad,
+    _LossSettings,
     _pair_and_ids,
     _reduce,
 )
@@ -149,7 +150,7 @@ def _dense_rows(
     return F.softplus(logits).sum(dim=1)
 
 
-class SigLIPLoss(nn.Module):
+class SigLIPLoss(_LossSettings):
     r"""Pairwise sigmoid loss; see :func:`contrastive_losses.functional.siglip`.
 
     Args:
@@ -195,7 +196,7 @@ class SigLIPLoss(nn.Module):
                 f"bias_init: must be finite with |bias_init| <= {1.0 / MIN_TEMPERATURE:g}, "
                 f"got {bias_init}"
             )
-        _checks.check_reduction(reduction)
+        self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
         log_scale = torch.tensor(math.log(scale_init))
         bias = torch.tensor(float(bias_init))
         if learnable:
@@ -204,11 +205,6 @@ class SigLIPLoss(nn.Module):
         else:
             self.register_buffer("log_scale", log_scale)
             self.register_buffer("bias", bias)
-        self.normalize = normalize
-        self.reduction = reduction
-        self.gather = gather
-        self.chunk_size = _checks.check_chunk_size(chunk_size)
-        self.validate_args = validate_args
 
     @property
     def scale(self) -> Tensor:
@@ -234,12 +230,8 @@ class SigLIPLoss(nn.Module):
             self.scale,
             self.bias,
             ids=ids,
-            normalize=self.normalize,
-            reduction=self.reduction,
-            gather=self.gather,
             return_terms=return_terms,
-            chunk_size=self.chunk_size,
-            validate_args=self.validate_args,
+            **self._settings(),
         )
 
     def contrastive_pairs(
