@@ -18,7 +18,7 @@ from contrastive_losses.functional import info_nce
 
 pytest.importorskip("transformers", reason="the examples extra (transformers) is not installed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "snippets"))
-from hf_tiny_clap import tiny_batch, tiny_clap  # noqa: E402
+from hf_tiny_clap import tiny_batch, tiny_clap
 
 
 def test_clap_model_loss_is_text_to_audio_at_both_scales():

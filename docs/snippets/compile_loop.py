@@ -20,7 +20,7 @@ compiled = torch.compile(loss_fn, fullgraph=True)
 parameters = [*audio_enc.parameters(), *text_enc.parameters(), log_scale, *loss_fn.parameters()]
 optimizer = torch.optim.AdamW(parameters, lr=1e-2)
 history = []
-for step in range(20):
+for _ in range(20):
     idx = torch.randint(0, 512, (64,))
     loss = compiled(audio_enc(audio_x[idx]), text_enc(text_x[idx]), logit_scale=log_scale.exp())
     optimizer.zero_grad()

@@ -19,7 +19,7 @@ model.logit_scale_t.requires_grad_(False)  # one scale trained, as LAION-CLAP do
 optimizer = torch.optim.AdamW([*model.parameters(), *loss_fn.parameters()], lr=1e-3)
 batch = tiny_batch(clips=8, captions=2)
 losses = []
-for step in range(8):
+for _ in range(8):
     out = model(**batch)
     text = out.text_embeds.view(8, 2, -1)  # (B, K, D): the captions are clip-major
     loss = loss_fn(out.audio_embeds, text, logit_scale=model.logit_scale_a.exp())

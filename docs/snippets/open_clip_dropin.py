@@ -36,7 +36,7 @@ model = TinyCLIP()
 loss = ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True, chunk_size=32)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 history = []
-for step in range(30):
+for _ in range(30):
     idx = torch.randint(0, 512, (64,))
     losses = loss(**model(images[idx], texts[idx]), output_dict=True)  # as in open_clip
     total_loss = sum(losses.values())
