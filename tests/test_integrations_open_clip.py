@@ -81,6 +81,22 @@ def test_siglip_loss_equals_open_clip(chunk_size):
     _assert_equal(ours, theirs, parts=range(4))
 
 
+@pytest.mark.parametrize("name", ["ClipLoss", "SigLipLoss"])
+def test_signatures_are_open_clips(name):
+    """open_clip's parameters of ``__init__`` and ``forward``, in order, with its defaults;
+    ours add keyword-only ones after them."""
+    import inspect
+
+    oc = load_open_clip_loss()
+    for method in ("__init__", "forward"):
+        theirs = list(inspect.signature(getattr(getattr(oc, name), method)).parameters.values())
+        ours = list(inspect.signature(getattr(globals()[name], method)).parameters.values())
+        assert [(p.name, p.default) for p in ours[: len(theirs)]] == [
+            (p.name, p.default) for p in theirs
+        ]
+        assert all(p.kind is p.KEYWORD_ONLY for p in ours[len(theirs) :])
+
+
 def test_ids_make_duplicates_positives():
     """``ids`` is the extra open_clip lacks: the same clip twice is no false negative;
     it equals ``info_nce`` with ``ids`` at temperature ``1/logit_scale``."""
