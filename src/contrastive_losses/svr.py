@@ -875,14 +875,19 @@ def _prepare_pairs(
     pairs: list[Any], normalize: bool, enabled: bool, validate: bool = True
 ) -> tuple[dict[int, Tensor], dict[int, Tensor], list[tuple[int, int]], int, int]:
     """The pairs' tensors checked, upcast from half precision and normalised once each
-    (``id(raw tensor) ->`` local rows ``(b, D)``), gathered (``->`` global rows
+    (key of the raw tensor ``->`` local rows ``(b, D)``), gathered (``->`` global rows
     ``(N, D)``), the ``(audio, text)`` keys of every pair, ``b`` and this rank's offset."""
-    local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
-    glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
+    local: dict[int, Tensor] = {}  # key of the raw tensor -> normalised local rows
+    glob: dict[int, Tensor] = {}  # key of the raw tensor -> gathered rows (N, D)
+    raw: list[Tensor] = []  # the distinct raw tensors, in order of first use
 
     def prepare(x: Tensor, name: str, mask: Tensor | None = None) -> int:
-        key = id(x)
-        if key not in local:
+        # The key is the position among the distinct tensors, found by identity (``is``):
+        # not ``id(x)``, which torch.compile guards on the input object itself, so every
+        # step's fresh embeddings would invalidate the compiled graph (a recompile a step).
+        key = next((i for i, r in enumerate(raw) if r is x), len(raw))
+        if key == len(raw):
+            raw.append(x)
             if x.dim() != 2:
                 raise ValueError(
                     f"base: contrastive_pairs must give (B, D) tensors, got shape {tuple(x.shape)}"
@@ -950,7 +955,7 @@ def _pair_similarities(
     """Anchor-candidate similarities ``s`` and positive-candidate similarities ``g``
     ``(Q, b, N)``, and the anchor-positive distances ``(Q, b)``: text anchors against the
     audio for every pair, then (``"bi"``) audio anchors against the text."""
-    grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
+    grams: dict[int, Tensor] = {}  # key of the raw tensor -> local @ gathered.T (b, N)
 
     def gram(key: int) -> Tensor:
         if key not in grams:
