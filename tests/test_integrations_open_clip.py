@@ -110,6 +110,34 @@ def test_ids_make_duplicates_positives():
     assert not torch.allclose(ours, ClipLoss()(image, text, scale))
 
 
+def test_svr_adds_supclaps_term_on_the_models_scale():
+    """``svr={...}``: the base plus SupCLAP's term at the model's scale, detached there
+    (``logit_scale`` learns from the base alone), both directions halved."""
+    data = _data()
+    image = data["image"].clone().requires_grad_()
+    log_scale = torch.tensor(math.log(10.0), dtype=F64, requires_grad=True)
+    loss_fn = ClipLoss(svr={"radius": 0.1, "direction": "bi"}, chunk_size=3)
+    loss = loss_fn(image, data["text"], log_scale.exp())
+    loss.backward()
+    assert list(loss_fn.parameters()) == []  # a fixed radius: nothing to learn
+
+    image_ref = data["image"].clone().requires_grad_()
+    log_scale_ref = torch.tensor(math.log(10.0), dtype=F64, requires_grad=True)
+    base = CF.info_nce(image_ref, data["text"], logit_scale=log_scale_ref.exp(), normalize=False)
+    tau = 0.1  # 1 / the scale, no gradient
+    svr = sum(
+        CF.support_vector_term(anchor, candidates, 0.1, tau, normalize=False)
+        for anchor, candidates in ((data["text"], image_ref), (image_ref, data["text"]))
+    )
+    expected = base + svr / 2
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(image.grad, image_ref.grad)
+    torch.testing.assert_close(log_scale.grad, log_scale_ref.grad)
+    dynamic = SigLipLoss(svr={})  # the regulariser's defaults: a dynamic radius
+    assert len(list(dynamic.parameters())) > 0
+
+
 def test_unsupported_settings_raise():
     with pytest.raises(ValueError, match="use_horovod: Horovod is not supported"):
         ClipLoss(use_horovod=True)

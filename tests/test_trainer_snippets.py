@@ -26,8 +26,10 @@ def run_snippet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
 
     def run(name: str) -> dict[str, Any]:
         result = runpy.run_path(str(SNIPPETS / name), run_name="__main__")
-        with capsys.disabled():
-            print(f"\n{name}: {capsys.readouterr().out.strip().splitlines()[-1]}")
+        printed = capsys.readouterr().out.strip().splitlines()
+        if printed:
+            with capsys.disabled():
+                print(f"\n{name}: {printed[-1]}")
         return result
 
     return run
@@ -68,6 +70,7 @@ def test_lightning_snippet(run_snippet, monkeypatch):
     monkeypatch.setitem(
         sys.modules, "lightning", types.SimpleNamespace(LightningModule=LightningModule)
     )
+    torch.manual_seed(0)
     clap = run_snippet("lightning_module.py")["CLAP"](nn.Linear(40, 16), nn.Linear(30, 16))
     g = torch.Generator().manual_seed(0)
     batch = {

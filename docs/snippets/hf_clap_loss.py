@@ -8,10 +8,10 @@ from contrastive_losses import InfoNCELoss, KCLLoss, SupportVectorRegularizer
 model = tiny_clap()
 out = model(**tiny_batch(clips=8), return_loss=True)
 scale = model.logit_scale_a.exp()  # ClapModel's two scales start equal
-loss, terms = InfoNCELoss()(out.audio_embeds, out.text_embeds, logit_scale=scale,
-                            return_terms=True)  # fmt: skip
-print(f"ClapModel loss {out.loss:.4f}: our text->audio term {terms['loss_t2a']:.4f}, "
-      f"audio->text {terms['loss_a2t']:.4f}, symmetric {loss:.4f}")  # fmt: skip
+symmetric = InfoNCELoss()
+loss, terms = symmetric(out.audio_embeds, out.text_embeds, logit_scale=scale, return_terms=True)
+print(f"ClapModel's loss {out.loss:.4f}, our text->audio {terms['loss_t2a']:.4f},")
+print(f"audio->text {terms['loss_a2t']:.4f}, symmetric {loss:.4f}")
 
 # Fine-tune with KCL (2 captions per clip) + SupCLAP's regulariser on the model's scale.
 loss_fn = SupportVectorRegularizer(KCLLoss(), radius="dynamic")

@@ -23,9 +23,8 @@ class CLAP(L.LightningModule):
         audio = self.audio_encoder(batch["audio"]).float()  # (B, D)
         b, k = batch["mask"].shape
         text = self.text_encoder(batch["tokens"]).float().view(b, k, -1)  # (B, K, D)
-        loss, terms = self.loss_fn(
-            audio, text, batch["mask"], logit_scale=self.logit_scale.exp(), return_terms=True
-        )
+        scale = self.logit_scale.exp()
+        loss, terms = self.loss_fn(audio, text, batch["mask"], logit_scale=scale, return_terms=True)
         self.log_dict({f"train/{name}": value.mean() for name, value in terms.items()})
         self.log("train/loss", loss, sync_dist=True)
         return loss

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _checks
-from ..infonce import info_nce
-from ..siglip import siglip
+from ..infonce import InfoNCELoss
+from ..siglip import SigLIPLoss
 from ..svr import SupportVectorRegularizer
 
 __all__ = ["ClipLoss", "SigLipLoss"]
@@ -45,16 +45,11 @@ DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 
 
 class _OpenClipSettings(nn.Module):
-    """What both drop-ins share: open_clip's ``rank`` / ``world_size`` and our extras."""
+    """What both drop-ins share: open_clip's ``rank`` / ``world_size``, and ``loss``, our
+    Module that computes it (wrapped in the regulariser with ``svr``)."""
 
     def _init_settings(
-        self,
-        cache_labels: bool,
-        rank: int,
-        world_size: int,
-        chunk_size: int | None,
-        svr: Mapping[str, Any] | None,
-        validate_args: bool | None,
+        self, cache_labels: bool, rank: int, world_size: int, svr: Mapping[str, Any] | None
     ) -> None:
         self.world_size = _checks.check_int(world_size, "world_size", 1)
         self.rank = _checks.check_int(rank, "rank", 0)
@@ -65,12 +60,13 @@ class _OpenClipSettings(nn.Module):
                 "svr: expected None or a dict of SupportVectorRegularizer keyword arguments "
                 f"(e.g. {{'radius': 'dynamic'}}), got {type(svr).__name__}"
             )
-        _checks.resolve_validate(validate_args)  # the type
         self.cache_labels = cache_labels  # open_clip caches its label vector; none is built here
-        self.chunk_size = _checks.check_chunk_size(chunk_size)
-        self.svr = None if svr is None else dict(svr)
-        self.validate_args = validate_args
-        self.regularizer: SupportVectorRegularizer | None = None
+        self.svr = svr
+
+    def _set_loss(self, base: nn.Module) -> None:
+        self.loss: nn.Module = (
+            base if self.svr is None else SupportVectorRegularizer(base, **self.svr)
+        )
 
     @property
     def gather(self) -> bool:
@@ -93,10 +89,7 @@ class _OpenClipSettings(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return (
-            f"rank={self.rank}, world_size={self.world_size}, chunk_size={self.chunk_size}, "
-            f"svr={self.svr}"
-        )
+        return f"rank={self.rank}, world_size={self.world_size}"
 
 
 class ClipLoss(_OpenClipSettings):
@@ -178,7 +171,11 @@ class ClipLoss(_OpenClipSettings):
                 "use_horovod: Horovod is not supported; launch with torchrun "
                 "(torch.distributed), as open_clip does without --horovod"
             )
-        self._init_settings(cache_labels, rank, world_size, chunk_size, svr, validate_args)
+        self._init_settings(cache_labels, rank, world_size, svr)
+        base = InfoNCELoss(
+            normalize=False, gather=self.gather, chunk_size=chunk_size, validate_args=validate_args
+        )
+        self._set_loss(base)
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
         self.use_horovod = use_horovod
@@ -207,19 +204,7 @@ class ClipLoss(_OpenClipSettings):
     ) -> Tensor | dict[str, Tensor]:
         """The loss of this rank (see the class); arguments and shapes as there."""
         self._check_world()
-        loss = cast(
-            Tensor,
-            info_nce(
-                image_features,
-                text_features,
-                1 / logit_scale,
-                ids=ids,
-                normalize=False,
-                gather=self.gather,
-                chunk_size=self.chunk_size,
-                validate_args=self.validate_args,
-            ),
-        )
+        loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale)
         if self.gather and not self.local_loss:
             loss = _mean_over_ranks(loss)
         if logit_bias is not None:  # cancels in the softmax: a zero gradient, no new value
@@ -281,9 +266,18 @@ class SigLipLoss(_OpenClipSettings):
         validate_args: bool | None = None,
     ) -> None:
         super().__init__()
-        self._init_settings(cache_labels, rank, world_size, chunk_size, svr, validate_args)
+        self._init_settings(cache_labels, rank, world_size, svr)
         self.dist_impl = dist_impl or "bidir"
         _checks.check_choice(self.dist_impl, "dist_impl", DIST_IMPLS)
+        base = SigLIPLoss(  # bias_init 0: open_clip adds no bias when logit_bias is None
+            bias_init=0.0,
+            learnable=False,
+            normalize=False,
+            gather=self.gather,
+            chunk_size=chunk_size,
+            validate_args=validate_args,
+        )
+        self._set_loss(base)
 
     def forward(
         self,
@@ -297,20 +291,8 @@ class SigLipLoss(_OpenClipSettings):
     ) -> Tensor | dict[str, Tensor]:
         """The loss of this rank (see the class); arguments and shapes as there."""
         self._check_world()
-        loss = cast(
-            Tensor,
-            siglip(
-                image_features,
-                text_features,
-                logit_scale,
-                0.0 if logit_bias is None else logit_bias,
-                ids=ids,
-                normalize=False,
-                gather=self.gather,
-                chunk_size=self.chunk_size,
-                validate_args=self.validate_args,
-            ),
-        )
+        bias = {} if logit_bias is None else {"logit_bias": logit_bias}
+        loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale, **bias)
         return {"contrastive_loss": loss} if output_dict else loss
 
 
