@@ -32,12 +32,12 @@ def test_clap_model_loss_is_text_to_audio_at_both_scales():
         scale_a, scale_t = model.logit_scale_a.exp(), model.logit_scale_t.exp()
 
     def terms(scale: torch.Tensor) -> dict[str, torch.Tensor]:
-        _, t = info_nce(audio, text, 1 / scale, normalize=False, return_terms=True)
+        _, t = info_nce(audio, text, logit_scale=scale, normalize=False, return_terms=True)
         return t
 
     at_a, at_t = terms(scale_a), terms(scale_t)
     text_to_audio = (at_t["loss_t2a"] + at_a["loss_t2a"]) / 2
-    symmetric = info_nce(audio, text, 1 / scale_a, normalize=False)
+    symmetric = info_nce(audio, text, logit_scale=scale_a, normalize=False)
     print(
         f"ClapModel loss {out.loss:.4f}; ours: text->audio at (scale_t, scale_a) "
         f"({at_t['loss_t2a']:.4f}, {at_a['loss_t2a']:.4f}) -> mean {text_to_audio:.4f}; "

@@ -99,13 +99,13 @@ def test_signatures_are_open_clips(name):
 
 def test_ids_make_duplicates_positives():
     """``ids`` is the extra open_clip lacks: the same clip twice is no false negative;
-    it equals ``info_nce`` with ``ids`` at temperature ``1/logit_scale``."""
+    it equals ``info_nce`` with ``ids`` and the same ``logit_scale``."""
     data = _data()
     image, text = data["image"], data["text"]
     ids = torch.tensor([0, 1, 2, 0, 3, 4, 5, 1])
     scale = torch.tensor(10.0, dtype=F64)
     ours = ClipLoss()(image, text, scale, ids=ids)
-    expected = CF.info_nce(image, text, 0.1, ids=ids, normalize=False)
+    expected = CF.info_nce(image, text, logit_scale=scale, ids=ids, normalize=False)
     torch.testing.assert_close(ours, expected)
     assert not torch.allclose(ours, ClipLoss()(image, text, scale))
 

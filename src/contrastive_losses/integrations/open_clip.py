@@ -8,8 +8,9 @@ Swap the import and keep the rest of an open_clip training script::
 The classes take open_clip's constructor arguments and ``forward(image_features,
 text_features, logit_scale[, logit_bias], output_dict=False)`` and return what open_clip's
 return (a scalar, or ``{"contrastive_loss": loss}`` with ``output_dict``); the values and
-gradients equal open_clip 3.x's (tested to 1e-6, one process and two). Nothing is imported
-from open_clip. What they add, as keyword-only arguments:
+gradients equal open_clip 3.x's (tested to 1e-6, one process and two; where open_clip's
+``gather_with_grad=False`` gradient is not the exact one, ours stays exact: see
+:class:`ClipLoss`). Nothing is imported from open_clip. What they add, as keyword-only arguments:
 
 * ``chunk_size``: the exact tiled path, ``O(B * chunk_size)`` memory for the logits
   (see "Large batches");
@@ -88,8 +89,10 @@ class _OpenClipSettings(nn.Module):
                 f"runs rank {dist.get_rank()} of {dist.get_world_size()}"
             )
 
+    _repr = ""  # the subclass's own settings
+
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, world_size={self.world_size}"
+        return f"{self._repr}rank={self.rank}, world_size={self.world_size}"
 
 
 class ClipLoss(_OpenClipSettings):
@@ -102,8 +105,8 @@ class ClipLoss(_OpenClipSettings):
             -\log \frac{e^{c\langle y_i, x_i\rangle}}{\sum_j e^{c\langle y_i, x_j\rangle}}\Big)
 
     with image features :math:`x`, text features :math:`y` and the model's logit scale
-    :math:`c` (``logit_scale``, already exp'd); :func:`~contrastive_losses.functional.info_nce`
-    at temperature :math:`1/c`, features taken as given (``normalize=False``).
+    :math:`c` (``logit_scale``, already exp'd): :class:`~contrastive_losses.InfoNCELoss`
+    with ``logit_scale=`` per call, features taken as given (``normalize=False``).
 
     Under ``world_size > 1`` every rank's features are all-gathered (uneven batch sizes
     allowed) and each rank computes its own rows against the global batch, as open_clip's
@@ -114,7 +117,9 @@ class ClipLoss(_OpenClipSettings):
     global-batch loss). open_clip's ``gather_with_grad=False`` differs from it: with
     ``local_loss`` it drops the gradient through the other ranks' copies of a rank's
     features, without it the feature gradients are ``1/world_size`` of the exact ones; the
-    constructor warns about it.
+    constructor warns about it. The scale's gradient is shared out over the ranks
+    differently (each rank's rows are scaled before the gather here, after it in
+    open_clip); its mean over ranks, what DDP applies, is the same.
 
     Args:
         local_loss: open_clip's flag: this rank's rows against the global batch (the value
@@ -179,6 +184,7 @@ class ClipLoss(_OpenClipSettings):
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
         self.use_horovod = use_horovod
+        self._repr = f"local_loss={local_loss}, gather_with_grad={gather_with_grad}, "
         if self.gather and not gather_with_grad:
             warnings.warn(
                 "ClipLoss(gather_with_grad=False): open_clip's gradient then "
@@ -202,7 +208,20 @@ class ClipLoss(_OpenClipSettings):
         *,
         ids: Tensor | None = None,
     ) -> Tensor | dict[str, Tensor]:
-        """The loss of this rank (see the class); arguments and shapes as there."""
+        """The loss of this rank's batch.
+
+        Args:
+            image_features: ``(B, D)``, as the model returns them (normalised).
+            text_features: ``(B, D)``; ``text_features[i]`` is the positive of
+                ``image_features[i]``.
+            logit_scale: the model's exp'd scale, a 0-d tensor (gradient flows back).
+            logit_bias: optional 0-d tensor; cancels in the softmax (a zero gradient).
+            output_dict: return ``{"contrastive_loss": loss}`` instead of ``loss``.
+            ids: optional integer sample ids ``(B,)``; equal ids are positives.
+
+        Returns:
+            A scalar, or ``{"contrastive_loss": scalar}`` with ``output_dict``.
+        """
         self._check_world()
         loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale)
         if self.gather and not self.local_loss:
@@ -221,8 +240,8 @@ class SigLipLoss(_OpenClipSettings):
             \log \sigma\big(z_{ij}\,(c\,\langle x_i, y_j\rangle + b)\big),
         \qquad z_{ij} = \pm 1 \text{ (positive / negative pair)},
 
-    :func:`~contrastive_losses.functional.siglip` with scale :math:`c` (``logit_scale``)
-    and bias :math:`b` (``logit_bias``), features taken as given. Under
+    :class:`~contrastive_losses.SigLIPLoss` with scale :math:`c` (``logit_scale=``) and
+    bias :math:`b` (``logit_bias=``) per call, features taken as given. Under
     ``world_size > 1`` this rank's :math:`B` images meet the texts of every rank
     (:math:`N` in all, gathered once whatever ``dist_impl`` says; uneven batch sizes
     allowed); the value and the gradients are open_clip's for each ``dist_impl``.
@@ -269,6 +288,7 @@ class SigLipLoss(_OpenClipSettings):
         self._init_settings(cache_labels, rank, world_size, svr)
         self.dist_impl = dist_impl or "bidir"
         _checks.check_choice(self.dist_impl, "dist_impl", DIST_IMPLS)
+        self._repr = f"dist_impl={self.dist_impl!r}, "
         base = SigLIPLoss(  # bias_init 0: open_clip adds no bias when logit_bias is None
             bias_init=0.0,
             learnable=False,
@@ -289,7 +309,20 @@ class SigLipLoss(_OpenClipSettings):
         *,
         ids: Tensor | None = None,
     ) -> Tensor | dict[str, Tensor]:
-        """The loss of this rank (see the class); arguments and shapes as there."""
+        """The loss of this rank's images against every rank's texts.
+
+        Args:
+            image_features: ``(B, D)``, as the model returns them (normalised).
+            text_features: ``(B, D)``; ``text_features[i]`` is the positive of
+                ``image_features[i]``.
+            logit_scale: the model's exp'd scale :math:`c`, a 0-d tensor.
+            logit_bias: the model's bias :math:`b`, a 0-d tensor, or ``None`` (no bias).
+            output_dict: return ``{"contrastive_loss": loss}`` instead of ``loss``.
+            ids: optional integer sample ids ``(B,)``; equal ids are positives.
+
+        Returns:
+            A scalar, or ``{"contrastive_loss": scalar}`` with ``output_dict``.
+        """
         self._check_world()
         bias = {} if logit_bias is None else {"logit_bias": logit_bias}
         loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale, **bias)
