@@ -312,13 +312,9 @@ class SigLipLoss(_OpenClipSettings):
         """The loss of this rank's images against every rank's texts.
 
         Args:
-            image_features: ``(B, D)``, as the model returns them (normalised).
-            text_features: ``(B, D)``; ``text_features[i]`` is the positive of
-                ``image_features[i]``.
+            image_features, text_features, output_dict, ids: as in :meth:`ClipLoss.forward`.
             logit_scale: the model's exp'd scale :math:`c`, a 0-d tensor.
             logit_bias: the model's bias :math:`b`, a 0-d tensor, or ``None`` (no bias).
-            output_dict: return ``{"contrastive_loss": loss}`` instead of ``loss``.
-            ids: optional integer sample ids ``(B,)``; equal ids are positives.
 
         Returns:
             A scalar, or ``{"contrastive_loss": scalar}`` with ``output_dict``.
