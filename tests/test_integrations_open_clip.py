@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import init_gloo, spawn_ranks
+from helpers import RANK_SIZES, init_gloo, rank_rows, spawn_ranks
 from open_clip_reference import load_open_clip_loss, load_open_clip_model
 
 from contrastive_losses import functional as CF
@@ -171,9 +171,14 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
             flags = {"local_loss": local, "gather_with_grad": with_grad, **common}
             results[f"clip_theirs_{local}_{with_grad}"] = _run(oc.ClipLoss(**flags), rows)
             for chunk in (None, 3):
-                with pytest.warns(UserWarning) if not with_grad else _no_warning():
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
                     ours = ClipLoss(**flags, chunk_size=chunk)
+                results[f"warned_{local}_{with_grad}_{chunk}"] = len(caught)
                 results[f"clip_ours_{local}_{with_grad}_{chunk}"] = _run(ours, rows)
+        # open_clip needs equal batch sizes; the drop-in takes the last, uneven, batch too
+        uneven = ClipLoss(local_loss=False, gather_with_grad=True, **common)
+        results["clip_ours_uneven"] = _run(uneven, rank_rows(rank))
         for impl in ("bidir", "shift", "reduce", "gather"):
             theirs = oc.SigLipLoss(dist_impl=impl, **common)
             results[f"siglip_theirs_{impl}"] = _run(theirs, rows)
@@ -182,16 +187,6 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-class _no_warning:
-    def __enter__(self):
-        self._cm = warnings.catch_warnings()
-        self._cm.__enter__()
-        warnings.simplefilter("error", UserWarning)
-
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +237,20 @@ def test_two_rank_clip_without_grad_gather(ranks, local):
             assert (theirs[1] - exact[1]).abs().max() > 1e-3  # truncated
         else:
             torch.testing.assert_close(theirs[1] * len(ranks), exact[1])
+
+
+def test_two_rank_warnings_and_uneven_batches(ranks):
+    """The constructor warns exactly for ``gather_with_grad=False`` on several ranks; and
+    on uneven shards (5 + 3 rows) ``local_loss=False`` gives every rank the loss of the
+    whole batch, which one process computes."""
+    for r in ranks:
+        for local, with_grad in CLIP_SETTINGS:
+            for chunk in (None, 3):
+                assert r[f"warned_{local}_{with_grad}_{chunk}"] == (0 if with_grad else 1)
+    assert sum(RANK_SIZES) == N
+    whole = _run(ClipLoss(), slice(None))
+    for r in ranks:
+        torch.testing.assert_close(r["clip_ours_uneven"][0], whole[0])
 
 
 # ------------------------------------------------------------------ a tiny open_clip
