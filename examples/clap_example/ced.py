@@ -65,6 +65,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .sources import HubRepo, hub_file, locate
+
 SAMPLE_RATE = 16_000
 
 #: The four published sizes (embed_dim, depth, num_heads); every size uses 16x16 patches and mlp x4.
@@ -111,6 +113,11 @@ class CEDConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.embed_dim % self.num_heads != 0:
+            raise ValueError(
+                f"ced config: embed_dim {self.embed_dim} is not divisible by num_heads "
+                f"{self.num_heads}"
+            )
         if self.long_clip not in LONG_CLIP_RULES:
             raise ValueError(
                 f"ced config long_clip: expected one of {list(LONG_CLIP_RULES)}, "
@@ -520,29 +527,19 @@ def _weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
 
 
 def _resolve_checkpoint_file(name_or_path: str | os.PathLike[str]) -> Path:
-    """A ``.safetensors`` / ``.bin`` / ``.pt`` file, a directory holding one, or a hub id."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    if path.is_dir():
+    """A ``.safetensors`` / ``.bin`` / ``.pt`` file, a directory holding one, or a hub
+    repository asked for as ``hf:owner/name`` (see :mod:`clap_example.sources`)."""
+    where = locate(name_or_path, "ced checkpoint")
+    if isinstance(where, HubRepo):
+        return hub_file(where, "model.safetensors", "ced checkpoint")
+    if where.is_dir():
         for name in ("model.safetensors", "pytorch_model.bin"):
-            if (path / name).is_file():
-                return path / name
+            if (where / name).is_file():
+                return where / name
         raise FileNotFoundError(
-            f"ced checkpoint: no model.safetensors or pytorch_model.bin in directory {path}"
+            f"ced checkpoint: no model.safetensors or pytorch_model.bin in directory {where}"
         )
-    if str(name_or_path).count("/") == 1 and not str(name_or_path).startswith((".", "/")):
-        try:
-            from huggingface_hub import hf_hub_download
-        except ImportError as err:  # pragma: no cover - huggingface_hub comes with transformers
-            raise ImportError(
-                "ced checkpoint: loading from the hub needs huggingface_hub "
-                "(pip install 'contrastive-losses[examples]')"
-            ) from err
-        return Path(hf_hub_download(str(name_or_path), "model.safetensors"))
-    raise FileNotFoundError(
-        f"ced checkpoint: {name_or_path} is neither a file, a directory nor a hub id"
-    )
+    return where
 
 
 def read_state_dict(file: str | os.PathLike[str]) -> dict[str, Tensor]:
@@ -605,10 +602,12 @@ def load_ced_checkpoint(
 ) -> list[str]:
     """Load published CED weights into ``model``; returns the checkpoint keys that were ignored.
 
-    ``name_or_path``: a ``model.safetensors`` file, a directory with one, a hub id such as
-    ``mispeech/ced-base`` (needs network), or an original ``.pt`` checkpoint. The AudioSet head
-    (``outputlayer.*``) is loaded only into a model built with ``with_head=True`` and ignored
-    otherwise. With ``strict`` every encoder parameter and buffer must be present with its shape.
+    ``name_or_path``: a ``model.safetensors`` file, a directory with one, an original ``.pt``
+    checkpoint, or a hub repository: ``hf:mispeech/ced-base`` (the published ids also without
+    ``hf:``; needs network or the hub cache). A missing local path is an error at once. The
+    AudioSet head (``outputlayer.*``) is loaded only into a model built with ``with_head=True``
+    and ignored otherwise. With ``strict`` every encoder parameter and buffer must be present
+    with its shape.
     """
     state = convert_original_ced_keys(read_state_dict(_resolve_checkpoint_file(name_or_path)))
     adapt_position_embeddings(state, model)
