@@ -135,20 +135,21 @@ class Evaluator:
             atomic_write_text(self.last_table, table + "\n")
         return metrics
 
-    def evaluate_and_select(
+    def select(
         self,
+        report: Any,
         best: float | None,
         step: int,
         epoch: int,
         loss_fn: torch.nn.Module,
-        is_main: bool,
         world: int,
     ) -> tuple[dict[str, Any], float | None]:
-        """Evaluate (rank 0), keep ``best/`` when the selection metric improves on ``best``;
-        returns the epoch row's evaluation fields and the (shared) best value."""
+        """From rank 0's ``report`` (None on the other ranks), keep ``best/`` when the
+        selection metric improves on ``best``; returns the epoch row's evaluation fields and
+        the best value, the same on every rank."""
         out: dict[str, Any] = {}
-        if is_main:
-            metrics = self.report_metrics(self.evaluate(), step)
+        if report is not None:
+            metrics = self.report_metrics(report, step)
             value = self.select_value(metrics)
             out = {"metrics": metrics, "select": value}
             if value is not None and (best is None or value > best):

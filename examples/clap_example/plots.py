@@ -98,7 +98,8 @@ def _params_axis(ax: Any, steps: list[dict[str, Any]]) -> bool:
     if radii and left is not radii:
         right = ax.twinx()
         for key in radii:
-            right.plot(x, _series(steps, key), lw=1.5, ls="--", color="tab:red", label=key)
+            label = key.split("/", 1)[1]
+            right.plot(x, _series(steps, key), lw=1.5, ls="--", color="tab:red", label=label)
         right.set_ylabel("radius", color="tab:red")
         more_h, more_l = right.get_legend_handles_labels()
         handles, labels = handles + more_h, labels + more_l
@@ -154,7 +155,7 @@ def _final_bars(ax: Any, row: dict[str, Any], chance: float | None) -> None:
     ax.legend(fontsize=9, loc="upper right", ncol=3)
 
 
-def _summary(plt: Any, out_dir: Path, steps: list, epochs: list, chance: float | None) -> Any:
+def summary_figure(plt: Any, out_dir: Path, steps: list, epochs: list, chance: float | None) -> Any:
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     (loss_ax, param_ax), (r1_ax, bar_ax) = axes
     if steps:
@@ -207,7 +208,7 @@ def plot_run(out_dir: str | Path, chance: float | None = None) -> list[Path]:
         plt.close(fig)
 
     if steps or epochs:
-        save(_summary(plt, out_dir, steps, epochs, chance), "summary.png")
+        save(summary_figure(plt, out_dir, steps, epochs, chance), "summary.png")
     if steps:
         fig, ax = plt.subplots(figsize=(10, 5))
         _loss_axis(ax, steps, per_language=True)

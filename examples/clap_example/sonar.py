@@ -251,10 +251,10 @@ def load_sonar_encoder(
     (tests, or training from scratch). Layer drop is forced to 0 unless overridden (it leaves
     parameters unused in a step, which DDP rejects).
     """
+    directory = _resolve_dir(name_or_path)  # a missing path fails before the imports below
     from transformers import M2M100Config
     from transformers.models.m2m_100.modeling_m2m_100 import M2M100Encoder
 
-    directory = _resolve_dir(name_or_path)
     config = M2M100Config.from_pretrained(str(directory))
     config.encoder_layerdrop = 0.0
     for key, value in (config_overrides or {}).items():

@@ -426,8 +426,9 @@ class Trainer:
     def _evaluate_and_select(self) -> dict[str, Any]:
         if not self.test_clips:
             return {}
-        out, self.best = self.evaluator.evaluate_and_select(
-            self.best, self.step, self.epoch + 1, self.loss_fn, self.is_main, self.world
+        report = self.evaluate() if self.is_main else None
+        out, self.best = self.evaluator.select(
+            report, self.best, self.step, self.epoch + 1, self.loss_fn, self.world
         )
         return out
 
