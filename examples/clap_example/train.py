@@ -1,8 +1,10 @@
 """The training loop: DDP, AMP, GradCache, logging, evaluation, checkpoints and exact resume.
 
 What happens around the loop lives beside it: ``startup`` (checks before any folder is
-created), ``checkpoint`` (manifest, save, verify, resume, prune), ``evaluation``,
-``objective`` (the loss and the captions a step encodes), ``logs``, ``signals`` and
+created), ``sources`` (local paths, or the hub when asked), ``checkpoint`` (manifest, save,
+verify, resume, prune), ``evaluation``, ``objective`` (the loss and the captions a step
+encodes), ``update`` (the guarded optimizer step), ``logs``, ``board`` (TensorBoard),
+``console`` (progress, epoch lines, the closing block), ``plots``, ``signals`` and
 ``distributed``.
 """
 
