@@ -39,7 +39,8 @@ Clips longer than ``target_length`` frames (1012, about 10.1 s) follow ``long_cl
   attention and pooling, a trailing chunk without one whole 16-frame patch is skipped, and an
   exact multiple of ``target_length`` keeps all its chunks. Cleaner for training from scratch;
   with published weights it gives other embeddings than the reference on clips longer than
-  ``target_length`` (identical up to ``target_length`` frames).
+  ``target_length`` (identical up to ``target_length`` frames). ``classify`` averages the
+  per-chunk probabilities of the chunks kept.
 
 Either way a batch of clips of different lengths (``lengths``) gives each clip what it gives
 alone: the front end reflects each clip at its own end, the per-clip dB floor ignores padding,

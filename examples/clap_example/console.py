@@ -79,7 +79,7 @@ def epoch_line(summary: dict[str, Any], epochs: int, table: Path | None) -> str:
         parts.append(f"{summary['nonfinite_steps']} non-finite steps skipped")
     parts.append(f"{summary.get('epoch_time_s', 0.0):.1f} s")
     if table is not None:
-        parts.append(f"table {table}")
+        parts.append(f"table {table.parent.name}/{table.name}")
     return "  ".join(parts)
 
 

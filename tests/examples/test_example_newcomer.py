@@ -19,7 +19,7 @@ import torch
 from clap_example import sources
 from clap_example.ced import CEDAudioEncoder, CEDConfig, load_ced_checkpoint
 from clap_example.config import parse_args
-from clap_example.console import closing_lines
+from clap_example.console import PlainBar, closing_lines, epoch_line, progress_bar
 from clap_example.demo import check_demo
 from clap_example.plots import plot_run
 from clap_example.sonar import load_sonar_encoder
@@ -220,6 +220,31 @@ def test_the_closing_lines_say_what_happened(tmp_path: Path) -> None:
     assert "training loss  2.500 -> 1.000 (60% lower" in text
     assert "text->audio 0.12 -> 0.72 (mean over languages; chance 0.10)" in text
     assert f"summary plot   {run / 'plots' / 'summary.png'}" in text
+
+
+def test_one_line_per_epoch_and_a_plain_bar_without_tqdm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary = {
+        "epoch": 3, "step": 15, "train_loss": 2.3456, "epoch_time_s": 1.25, "best": True,
+        "metrics": {"per_language/eng_Latn/t2a/R@1": 0.5, "per_language/fra_Latn/t2a/R@1": 0.3,
+                    "per_language/eng_Latn/t2a/R@10": 1.0, "average/t2a/R@1": 0.3},
+    }  # fmt: skip
+    line = epoch_line(summary, 30, tmp_path / "run" / "eval" / "step-00000015.md")
+    assert line == (
+        "epoch 3/30  step 15  loss 2.3456  test R@1 t2a 0.40 (best)  1.2 s  "
+        "table eval/step-00000015.md"
+    )
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    bar = progress_bar(5, 0, "epoch 1/2", enabled=True)
+    assert isinstance(bar, PlainBar)
+    for _ in range(5):
+        bar.update(1)
+        bar.set_postfix(loss="1.0")
+    bar.close()
+    assert bar.n == 5
+    assert capsys.readouterr().err == ""  # not a terminal: the plain bar stays silent
 
 
 # --- 5. plots -----------------------------------------------------------------------------------
