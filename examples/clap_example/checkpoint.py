@@ -117,9 +117,10 @@ def check_loadable(directory: Path, manifest: dict[str, Any]) -> None:
     and ``state.pt`` is at the manifest's step; else :class:`CheckpointError` naming the file.
     A crafted file is refused here, before the checkpoint is chosen, so a resume falls back."""
     state = CheckpointStore.load(directory / "state.pt", "cpu", REQUIRED_STATE, mmap=True)
-    if state["step"] != manifest["step"]:
+    step = state["step"]
+    if not isinstance(step, int) or step != manifest["step"]:
         raise CheckpointError(
-            f"{directory / 'state.pt'}: at step {state['step']!r}, its manifest says "
+            f"{directory / 'state.pt'}: at step {str(step)[:40]}, its manifest says "
             f"{manifest['step']} (a file was swapped and the manifest forged)"
         )
     del state
@@ -347,9 +348,14 @@ class CheckpointStore:
 
     def prune(self, latest: str) -> None:
         """Keep the ``keep`` newest checkpoints up to ``latest``; newer ones (damaged ones a
-        resume fell back from) are left to be replaced when the run reaches their step."""
+        resume fell back from) are left to be replaced when the run reaches their step, and so
+        are symbolic links named like a checkpoint (never followed, never counted as kept)."""
         limit = sort_key(latest)
-        older = [p for p in complete_checkpoints(self.dir) if sort_key(p.name) <= limit]
+        older = [
+            p
+            for p in complete_checkpoints(self.dir)
+            if sort_key(p.name) <= limit and not p.is_symlink()
+        ]
         for old in older[self.keep :]:
             remove_tree(old)
 

@@ -142,12 +142,12 @@ class StepLog:
         return buffer.getvalue()
 
     def write(self, row: dict[str, Any]) -> None:
-        self.history.append(row)
         append_line(self.jsonl, json.dumps(row) + "\n")
         if self.columns is None:
             self.columns = list(row)
             write_lines(self.csv, [self._csv_line(None)])
         append_line(self.csv, self._csv_line(row))
+        self.history.append(row)
 
     def sync(self) -> None:
         """fsync both files (before a checkpoint that counts their rows is published)."""

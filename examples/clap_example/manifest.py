@@ -72,7 +72,7 @@ def _check_entry(path: Path, name: Any, entry: Any) -> None:
         )
     if not isinstance(entry, dict):
         raise CheckpointError(
-            f"{path}: the entry of {name!r} is a {type(entry).__name__}, not "
+            f"{path}: the entry of {name!r} is {json.dumps(entry)[:80]}, not an object "
             '{"sha256": ..., "size": ...}'
         )
     if not _whole(entry.get("size")):

@@ -331,8 +331,12 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(
     damage: str,
 ) -> None:
     named = DAMAGE[damage](paused)
+    elsewhere = [outside(paused), paused.parents[1] / "outside"]  # what the links point at
+    before = {p: p.read_bytes() for d in elsewhere for p in sorted(d.rglob("*")) if p.is_file()}
     assert_fell_back(paused, cfg, capsys, named)
     assert_inside(reads, paused)
+    after = {p: p.read_bytes() for d in elsewhere for p in sorted(d.rglob("*")) if p.is_file()}
+    assert after == before  # nothing outside the run was changed or deleted through a link
 
 
 def _set(key: str, value: Any) -> Any:
@@ -408,7 +412,9 @@ def test_a_str_entry_falls_back_in_a_full_resume(
     paused: Path, cfg: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = malform(paused, "entry a str")  # the case: 'str' has no attribute 'get'
-    err = assert_fell_back(paused, cfg, capsys, f"{path}: the entry of 'state.pt' is a str")
+    err = assert_fell_back(
+        paused, cfg, capsys, f"{path}: the entry of 'state.pt' is \"abc\", not an object"
+    )
     assert "attribute" not in err
 
 
@@ -425,6 +431,7 @@ def test_a_latest_symlink_is_named_and_never_followed(
     err = capsys.readouterr().err
     assert f"[warning] {latest}: a symbolic link" in err, err
     assert f"from {ckpt(paused, NEWEST)}:" in err and resumed_from(err) == 3
+    assert target.read_text() == OLDEST and not latest.is_symlink()  # replaced, not written
 
 
 def test_a_64_gib_sparse_state_is_refused_in_seconds(
