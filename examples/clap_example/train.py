@@ -149,6 +149,7 @@ class Trainer:
         self.batch_in_epoch = 0
         self.best: float | None = None
         self.history: list[dict[str, Any]] = []
+        self.saved_step_log: Any = None  # the checkpoint's step rows (logs.StepHistory)
         self.bank_epoch: int | None = None
         self.epoch_losses: list[float] = []  # finite losses since the last epoch row
         self.epoch_elapsed = 0.0  # training seconds of the current epoch
@@ -162,7 +163,11 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
         resume_step = self._restore(point) if point is not None else None
-        self.log = open_logs(self.out, args, resume_step, self.history) if self.is_main else None
+        self.log = (
+            open_logs(self.out, args, resume_step, self.history, self.saved_step_log)
+            if self.is_main
+            else None
+        )
         self.board = None
         if self.is_main and args.tensorboard:
             from .board import ScalarBoard
@@ -194,6 +199,7 @@ class Trainer:
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.best = state["best"]
         self.history = list(state["history"])
+        self.saved_step_log = state.get("step_log")
         self.bank_epoch = state.get("bank_epoch")
         self.epoch_losses = list(state.get("epoch_losses", []))
         self.epoch_elapsed = float(state.get("epoch_elapsed", 0.0))
@@ -450,6 +456,7 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "best": self.best,
             "history": self.history,
+            "step_log": self.log.history.state_dict() if self.log is not None else None,
             "bank_epoch": self.bank_epoch,
             "epoch_losses": list(self.epoch_losses),
             "epoch_elapsed": self.epoch_elapsed,
