@@ -31,9 +31,11 @@ radius_init 0.1, the library defaults, unless said):
 * ``infonce`` (the baseline), ``bi_static``, ``bi_dynamic``, ``bi_dynamic_beta1``
   (beta = 1), ``uni_dynamic`` (text anchors only): every regime at batch 24 (the paper's)
   and 128;
-* at batch 24, every regime: ``bi_static_init1`` and ``bi_dynamic_init1`` (radius_init
+* symmetric towers, batch 24: ``bi_static_init1`` and ``bi_dynamic_init1`` (radius_init
   1.0, above ``||a - t||`` ~ 0.6-0.9 at the start, as Fig. 3's falling curve would need),
-  ``bi_dynamic_alpha0.1`` and ``bi_dynamic_alpha0.5`` (SupCLAP Table 13);
+  ``bi_dynamic_alpha0.1`` and ``bi_dynamic_alpha0.5`` (SupCLAP Table 13) -- planned at
+  batch 24 in every regime, cut to the symmetric one after the first full run, on a
+  machine at load 7-13, paced at ~100 min (the budget is ~45);
 * symmetric towers, batch 24, with infonce / bi_static / bi_dynamic:
   ``noisy_captions`` (20% of the fine-tuning training pairs carry another pair's
   caption; validation and test clean), ``hard_batches`` (every batch is 4 clusters x 6
@@ -67,9 +69,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -141,9 +146,9 @@ class Cell:
 
 
 def grid(quick: bool) -> list[Cell]:
-    """Every cell of the study (``quick``: the main methods at batch 24 and 128 and the
-    conditions, symmetric towers only for the extras)."""
-    cells = [Cell(r, b, MAIN + (EXTRA if b == 24 else ())) for r in REGIMES for b in (24, 128)]
+    """Every cell of the study (``quick``: without the extra methods)."""
+    cells = [Cell(r, b, MAIN) for r in REGIMES for b in (24, 128)]
+    cells[2] = Cell("symmetric", 24, MAIN + EXTRA)
     cells += [
         Cell("symmetric", 24, CONDITION_METHODS, "noisy_captions"),
         Cell("symmetric", 24, CONDITION_METHODS, "hard_batches"),
@@ -382,6 +387,20 @@ def run_seed(seed: int, cells: list[Cell], epochs: int, pre_epochs: int) -> dict
     return out
 
 
+def cached_seed(seed: int, cells: list[Cell], epochs: int, pre_epochs: int) -> dict[str, dict]:
+    """:func:`run_seed`, kept in ``$SVR_REGIMES_CACHE/seed<n>.json`` when that variable
+    names a folder (a killed run resumes there; other processes may fill other seeds)."""
+    cache = os.environ.get("SVR_REGIMES_CACHE")
+    path = Path(cache) / f"seed{seed}-e{epochs}.json" if cache else None
+    if path is not None and path.exists():
+        return json.loads(path.read_text())
+    out = run_seed(seed, cells, epochs, pre_epochs)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out))
+    return out
+
+
 def run(args: Any) -> dict[str, dict[str, list[dict]]]:
     """``runs[cell][method]`` = one log per seed."""
     warnings.filterwarnings("ignore", message="SupportVectorRegularizer")
@@ -389,7 +408,7 @@ def run(args: Any) -> dict[str, dict[str, list[dict]]]:
     pre_epochs = 3 if args.quick else PRE_EPOCHS
     runs: dict[str, dict[str, list[dict]]] = {c.name: {m: [] for m in c.methods} for c in cells}
     for seed in range(args.seeds):
-        for name, per_method in run_seed(seed, cells, args.epochs, pre_epochs).items():
+        for name, per_method in cached_seed(seed, cells, args.epochs, pre_epochs).items():
             for method, log in per_method.items():
                 runs[name][method].append(log)
     return runs
