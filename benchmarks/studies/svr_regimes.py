@@ -478,6 +478,12 @@ def retrieval_table(runs: Runs) -> str:
     return common.table(header, rows)
 
 
+def falls_from_peak(r: dict) -> bool:
+    """The radius peaks before the last epoch and ends at least 3% below its peak."""
+    peak = max(r["radius"])
+    return r["radius"].index(peak) < len(r["radius"]) - 1 and r["radius"][-1] <= 0.97 * peak
+
+
 def slope_signs(runs: Runs, cell: str, method: str) -> str:
     """Share of (seed, epoch) with a negative mean slope (the SVR pushes R up)."""
     values = [v for r in runs[cell][method] for v in r["svr_radius_slope"]]
@@ -491,6 +497,7 @@ def radius_table(runs: Runs) -> str:
         "R first step",
         "R epoch 1 → last",
         "R falls (seeds)",
+        "falls from peak (seeds)",
         "‖a−t‖ last",
         "share R > ‖a−t‖ last",
         "slope last epoch",
@@ -508,6 +515,7 @@ def radius_table(runs: Runs) -> str:
                     common.pm(per_seed(runs, cell, m, lambda r: r["first_radius"]), 1, 2),
                     f"{common.pm(first, 1, 2)} → {common.pm(last, 1, 2)}",
                     f"{sum(b < a for a, b in zip(first, last, strict=True))}/{len(first)}",
+                    f"{sum(map(falls_from_peak, runs[cell][m]))}/{len(first)}",
                     common.pm(per_seed(runs, cell, m, end("distance")), 1, 2),
                     common.pm(per_seed(runs, cell, m, end("radius_over_distance")), 100, 0) + " %",
                     common.pm(per_seed(runs, cell, m, end("svr_radius_slope")), 1, 4),
@@ -542,11 +550,11 @@ def noise_comparisons(runs: Runs) -> list[tuple[str, str, str, str]]:
     """Fig. 6 pairs ``(label, method, noisier cell, reference cell)`` present in ``runs``."""
     ref = "symmetric/b24"
     pairs = [
-        ("random towers (scratch) vs pretrained", "bi_dynamic", f"{ref}/scratch"),
-        ("noisy captions vs clean", "bi_dynamic", f"{ref}/noisy_captions"),
-        ("noisy captions vs clean", "bi_static", f"{ref}/noisy_captions"),
-        ("hard batches vs random batches", "bi_dynamic", f"{ref}/hard_batches"),
-        ("hard batches vs random batches", "bi_static", f"{ref}/hard_batches"),
+        ("Fig. 6: random towers (scratch) vs pretrained", "bi_dynamic", f"{ref}/scratch"),
+        ("Fig. 6: noisy captions vs clean", "bi_dynamic", f"{ref}/noisy_captions"),
+        ("Fig. 6: noisy captions vs clean", "bi_static", f"{ref}/noisy_captions"),
+        ("Fig. 7, in training: hard batches vs random", "bi_dynamic", f"{ref}/hard_batches"),
+        ("Fig. 7, in training: hard batches vs random", "bi_static", f"{ref}/hard_batches"),
     ]
     return [(lbl, m, c, ref) for lbl, m, c in pairs if c in runs and ref in runs]
 
@@ -585,6 +593,65 @@ def tally_table(runs: Runs) -> str:
     return common.table(["method", *(f"cells won, {k}" for k in keys)], rows)
 
 
+def headline_table(runs: Runs) -> str:
+    """Main cells x main SVR methods: seed-paired Δ test R@1 at the end, T2A and A2T."""
+    methods = [m for m in MAIN if m != "infonce"]
+    rows = []
+    for cell in (c for c in runs if c.count("/") == 1):
+        row: list[object] = [cell]
+        for m in methods:
+            t2a = per_seed(runs, cell, m, end("test_t2a"))
+            a2t = per_seed(runs, cell, m, end("test_a2t"))
+            base_t = per_seed(runs, cell, "infonce", end("test_t2a"))
+            base_a = per_seed(runs, cell, "infonce", end("test_a2t"))
+            dt = [100 * (x - y) for x, y in zip(t2a, base_t, strict=True)]
+            da = [100 * (x - y) for x, y in zip(a2t, base_a, strict=True)]
+            row.append(
+                f"{common.mean_std(dt)[0]:+.2f} ({sum(d > 0 for d in dt)}/{len(dt)}) · "
+                f"{common.mean_std(da)[0]:+.2f} ({sum(d > 0 for d in da)}/{len(da)})"
+            )
+        rows.append(row)
+    return common.table(["cell", *methods], rows)
+
+
+def claims_table(runs: Runs) -> str:
+    """SupCLAP's radius claims, counted over every run that has the quantity."""
+    svr_runs = [r for c in runs for m in svr_methods(runs, c) for r in runs[c][m]]
+    falls = sum(r["radius"][-1] < r["radius"][0] for r in svr_runs)
+    peaked = sum(map(falls_from_peak, svr_runs))
+    b24_dynamic = [
+        r for c in runs if "/b24" in c for m in runs[c] if "dynamic" in m for r in runs[c][m]
+    ]
+    slopes = [v for r in svr_runs for v in r["svr_radius_slope"]]
+    init1 = [r for c in runs for m in runs[c] if m.endswith("init1") for r in runs[c][m]]
+    init1_falls = sum(r["radius"][-1] < r["first_radius"] for r in init1)
+    probes = [p for _, _, ps in probe_rows(runs) for p in ps]
+    up = sum(p[-1] > p[0] for p in probes)
+    mono = sum(all(x < y for x, y in itertools.pairwise(p)) for p in probes)
+    rows = [
+        [
+            "Fig. 3: R falls over training",
+            f"last-epoch R < epoch-1 R in {falls}/{len(svr_runs)} SVR runs; R peaks and "
+            f"ends >= 3% below its peak in {peaked}/{len(svr_runs)} "
+            f"({sum(map(falls_from_peak, b24_dynamic))}/{len(b24_dynamic)} dynamic runs at "
+            "batch 24); "
+            f"`svr_radius_slope` < 0 in {sum(v < 0 for v in slopes)}/{len(slopes)} "
+            f"(run, epoch) means; radius_init 1: last-epoch R < initial R in "
+            f"{init1_falls}/{len(init1)} runs",
+        ],
+        [
+            "Fig. 7: more hard negatives, larger R",
+            f"R(18) > R(0) in {up}/{len(probes)} trained predictors, strictly increasing "
+            f"over K = {', '.join(map(str, PROBE_K))} in {mono}/{len(probes)}",
+        ],
+    ]
+    for label, m, cell, ref in noise_comparisons(runs):
+        a = per_seed(runs, cell, m, over_epochs("radius"))
+        b = per_seed(runs, ref, m, over_epochs("radius"))
+        rows.append([f"{label} ({m}): paired Δ mean R", common.paired(a, b, 1, 3)])
+    return common.table(["claim", "this study"], rows)
+
+
 def markdown(runs: Runs, args: Any, seconds: float) -> str:
     lines = [
         "# Does SVR help a fine-tune? Regimes, radius and SupCLAP's mechanisms",
@@ -602,7 +669,17 @@ def markdown(runs: Runs, args: Any, seconds: float) -> str:
         "the last epoch; *best-val*: at each run's epoch of best validation R@1 (epochs "
         "0-N, 0 = the checkpoint; never selected on test).",
         "",
-        "## Retrieval: SVR minus InfoNCE",
+        "## Headline: SVR minus InfoNCE, test R@1 at the end",
+        "",
+        "Seed-paired Δ in points, T2A · A2T (seeds with Δ > 0).",
+        "",
+        headline_table(runs),
+        "",
+        "## SupCLAP's radius claims, counted",
+        "",
+        claims_table(runs),
+        "",
+        "## Retrieval: SVR minus InfoNCE, every cell",
         "",
         retrieval_table(runs),
         "",
@@ -613,7 +690,8 @@ def markdown(runs: Runs, args: Any, seconds: float) -> str:
         "## The radius over training (SupCLAP Fig. 3)",
         "",
         "R: epoch mean of `terms['radius_mean']` (first step: the initial value the first "
-        "batch sees). *R falls*: seeds whose last-epoch R is below their epoch-1 R. "
+        "batch sees). *R falls*: seeds whose last-epoch R is below their epoch-1 R; *falls "
+        "from peak*: R peaks before the last epoch and ends at least 3% below the peak. "
         "`svr_radius_slope` = mean of tau dl/dR: positive, the SVR term pulls R down; "
         "negative, it pushes R up. *epochs slope < 0*: (seed, epoch) pairs, all seeds.",
         "",
@@ -628,10 +706,10 @@ def markdown(runs: Runs, args: Any, seconds: float) -> str:
         "",
         probe_table(runs),
         "",
-        "## Noisier embeddings and the radius (SupCLAP Fig. 6)",
+        "## Noisier embeddings, harder batches and the radius (SupCLAP Fig. 6, 7)",
         "",
         "Mean radius over the fine-tuning epochs, same seed, same method, symmetric towers, "
-        "batch 24; paired Δ = noisier minus reference.",
+        "batch 24; paired Δ = noisier (or harder) minus reference.",
         "",
         noise_table(runs),
         "",
@@ -691,11 +769,10 @@ def plot(runs: Runs, path: Any) -> None:
     main_cells = [c for c in runs if c.count("/") == 1]
     main = [m for m in MAIN if m != "infonce"]
     paired_bars(axes[0][0], runs, main_cells, main, "test T2A R@1, SVR minus InfoNCE (points)")
-    b24 = [c for c in main_cells if c.endswith("b24")]
-    extra = [m for m in EXTRA if m in runs[b24[0]]] or main
-    paired_bars(axes[0][1], runs, b24, extra, "batch 24, radius_init 1 and alpha (points)")
     ref = "symmetric/b24"
-    radius_methods = [m for m in (*main, *extra) if m in runs[ref] and m in COLOURS]
+    variants = [m for m in runs[ref] if m in COLOURS]
+    paired_bars(axes[0][1], runs, [ref], variants, f"{ref}: every variant (points)")
+    radius_methods = [m for m in variants if "alpha" not in m]
     trajectories(
         axes[0][2], runs, ref, "radius", radius_methods, f"{ref}: radius R (dotted: ‖a−t‖)"
     )
