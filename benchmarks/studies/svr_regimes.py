@@ -802,7 +802,48 @@ def plot(runs: Runs, path: Any) -> None:
 # ----------------------------------------------------------------------------- main
 
 # Hand-written after reading the committed run (re-read it if you re-run).
-INTERPRETATION = ""
+INTERPRETATION = """## Interpretation
+
+**Retrieval.** No SVR variant helps this fine-tune. In the six regime/batch cells SVR minus
+InfoNCE ends between +0.16 and -0.84 T2A R@1 points (-0.78 to +0.02 A2T), with 0-3 of 5
+seeds positive; no dynamic variant is ahead in a majority of seeds in any cell, bi_static
+in one of eight (strong_text/b128, +0.16, 3/5). The differences are small (a few of 1024
+test queries, within about one seed standard deviation of InfoNCE itself) and mostly
+negative; the dynamic radius costs more at batch 128 (-0.3 to -0.8 T2A, 0/5) than at 24
+(-0.1 to -0.4). Selecting each run's best validation epoch does not change the picture.
+The tower regime matters little. Less SVR is less harm: alpha 0.1 / 0.5 / 1 give +0.00 /
+-0.08 / -0.33 T2A in symmetric/b24. Starting the radius above ||a - t|| (radius_init 1)
+costs -0.16/-0.18, beta 1 -0.25. With 20% wrong captions bi_dynamic is level (+0.06, 2/5)
+and bi_static loses 1.6 points (0/5); batches of 4 clusters x 6 bring no gain (-0.3);
+from random towers (SupCLAP's "noisy setting", where its Table 9 shows +2.0 T2A R@1)
+bi_dynamic loses 1.8 T2A / 2.1 A2T points in 5/5 seeds.
+
+**Fig. 3 (the radius falls during training): not reproduced as a mechanism, reproduced in
+shape.** `svr_radius_slope` is negative in every epoch of every run (1650/1650): the SVR
+term pushes the radius up throughout, fine-tuning included, in every tower regime. The
+static radius (no constraint) rises in every run, from 0.10 to 0.11-0.17 (at Adam 1e-4 it
+can move only ~1e-4 per step) and from 1.00 to 1.05 when started at 1. The dynamic radius
+with beta 0.01 rises from 0.1 to a peak by epoch 2-3 and then falls slowly (74 of 75
+dynamic runs at batch 24), ending above ||a - t|| for 81-91% of anchors: the only force that
+pulls it down is the constraint, which follows ||a - t|| as fine-tuning shrinks it (0.75 ->
+0.67). Started at 1.0 it falls to 0.78 in 5/5 seeds, the curve of Fig. 3, for the same
+reason. At batch 128 (5x fewer steps) it is still rising after 10 epochs (1.0-1.1).
+
+**Fig. 6 (noisier embeddings, larger radius): reproduced** for the dynamic radius: +0.70
+with random towers and +0.31 with 20% wrong captions, 5/5 seeds each (mean over epochs);
+the static radius hardly moves (+0.005). By the derivation on the SVR page this is the
+expected direction: a text that misses its clip in a random direction pushes R up, and
+noisier embeddings miss by more.
+
+**Fig. 7 (more hard negatives, larger radius): reproduced.** Every trained predictor but
+one (119/120) gives R(18) > R(0); at batch 128 the radius rises strictly with K in 45/45
+(e.g. 0.38 / 0.62 / 0.81 / 1.02 for K = 0 / 6 / 12 / 18), at batch 24 it saturates after
+K = 6-12 (strictly increasing in 1-3/5). Batches dense in hard negatives during training
+raise the dynamic radius by +0.24 (5/5). The response is mostly learned: in
+`tests/test_svr_hard_negatives.py` a predictor whose input is an independent batch's row
+tilts by -0.02 to 0.12 against 0.27-0.46 for the real one (8 seeds), and the untrained one not
+at all. So SupCLAP's mechanisms are there; in this world they do not turn into retrieval.
+"""
 
 
 def main() -> None:
