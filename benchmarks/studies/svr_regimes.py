@@ -60,7 +60,11 @@ Measured, 5 seeds (seed-paired: the same world, checkpoint and order for every m
   clips (hard negatives) and 23 - K random others of those 720; the mean radius per K.
 
     PYTHONPATH=src nice -n 10 python benchmarks/studies/svr_regimes.py [--seeds 5]
-    PYTHONPATH=src python benchmarks/studies/svr_regimes.py --quick   # 2 seeds, 3 epochs
+    PYTHONPATH=src python benchmarks/studies/svr_regimes.py --quick   # ~1-2 min
+
+``--quick``: 2 seeds, 3 fine-tuning and 3 pretraining epochs, no extra variants, into
+``benchmarks/results/quick/studies/`` (a check that the script runs: 67 s at load 3.5).
+``--render`` re-renders the tables and figure from the saved JSON.
 
 Writes ``benchmarks/results/studies/svr_regimes.{md,json,png}``.
 """
