@@ -231,9 +231,11 @@ def train(
     start_epoch: Callable[[int], None] | None = None,
     end_epoch: Callable[[int], None] | None = None,
     lr: float = 1e-3,
+    batches: Callable[[torch.Generator], Sequence[Tensor]] | None = None,
 ) -> None:
     """Adam over ``params``; each epoch visits the ``n`` training items in a seeded random
-    order, in batches of ``batch`` (a last batch of one item is dropped).
+    order, in batches of ``batch`` (a last batch of one item is dropped). ``batches``, if
+    given, makes each epoch's batches instead (called with the seeded generator).
 
     ``step(idx, epoch)`` returns the loss of the batch ``idx``, or ``(loss, after)`` with
     ``after()`` called right after the optimiser step (for before/after measurements).
@@ -243,7 +245,10 @@ def train(
     for epoch in range(epochs):
         if start_epoch is not None:
             start_epoch(epoch)
-        for idx in torch.randperm(n, generator=order).split(batch):
+        epoch_batches = (
+            batches(order) if batches else torch.randperm(n, generator=order).split(batch)
+        )
+        for idx in epoch_batches:
             if len(idx) < 2:
                 continue
             out = step(idx, epoch)
