@@ -94,6 +94,9 @@ def cacl(
         _check_pair(a, "audio", o, "other")
         v.batch = a.shape[0]
         v.agree(audio=a, english=e, other=o)
+        v.settings(
+            temperature=temperature, reduction=reduction, chunk_size=chunk_size, normalize=normalize
+        )
     per_sample: list[Tensor] = []
     terms: Terms = {}
     batch = _batch(0, a.shape[0], False)

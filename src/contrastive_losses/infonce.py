@@ -91,6 +91,13 @@ def info_nce(
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
+        v.settings(
+            temperature=temperature,
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            ids_given=ids is not None,
+        )
     a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled, chunk_size, validate)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     terms = {

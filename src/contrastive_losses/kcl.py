@@ -147,6 +147,14 @@ def kcl(
         )
         v.batch = a.shape[0]
         v.agree(audio=a, text=t_raw)
+        v.settings(
+            temperature=temperature,
+            negatives=negatives,
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            mask_given=mask is not None,
+        )
     # Single process, per-language negatives: normalise through the scores (fast path),
     # unless 1/||t||^2 in its backward could overflow (norms below sqrt(tiny)).
     fused = normalize and not enabled and negatives == "per_language" and moderate

@@ -116,6 +116,14 @@ def siglip(
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
+        v.settings(
+            scale=scale,
+            bias=bias,
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            ids_given=ids is not None,
+        )
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     if chunk_size is None:

@@ -310,6 +310,14 @@ def support_vector_term(
             mask = _check_row_mask(mask, b, x)
         v.batch = b
         v.agree(anchor=x, candidates=y)
+        v.settings(
+            temperature=temperature,
+            radius="per anchor" if isinstance(r, Tensor) and r.dim() == 1 else r,
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            mask_given=mask is not None,
+        )
     y_all, offset = _gather(y, enabled, validate)
     m_all = None if mask is None else _gather_no_grad(mask, enabled, validate)
     r = r[None] if isinstance(r, Tensor) and r.dim() == 1 else r
@@ -800,8 +808,20 @@ class SupportVectorRegularizer(nn.Module):
         """
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
-        local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled, validate)
         chunk_size = getattr(self.base, "chunk_size", None)
+        settings = {  # must match across ranks (the base's are checked by the base)
+            "radius": self.radius_mode,
+            "direction": self.direction,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "constraint": self.constraint,
+            "temperature": self._detached_temperature(),
+            "chunk_size": chunk_size,
+            "normalize": normalize,
+        }
+        local, glob, keys, b, offset = _prepare_pairs(
+            pairs, normalize, enabled, validate, settings
+        )
         if chunk_size is not None:
             return self._regularise_tiled(
                 pairs, local, glob, keys, b, offset, enabled, with_terms, chunk_size, validate
@@ -872,11 +892,16 @@ class SupportVectorRegularizer(nn.Module):
 
 
 def _prepare_pairs(
-    pairs: list[Any], normalize: bool, enabled: bool, validate: bool = True
+    pairs: list[Any],
+    normalize: bool,
+    enabled: bool,
+    validate: bool = True,
+    settings: dict[str, Any] | None = None,
 ) -> tuple[dict[int, Tensor], dict[int, Tensor], list[tuple[int, int]], int, int]:
     """The pairs' tensors checked, upcast from half precision and normalised once each
     (``id(raw tensor) ->`` local rows ``(b, D)``), gathered (``->`` global rows
-    ``(N, D)``), the ``(audio, text)`` keys of every pair, ``b`` and this rank's offset."""
+    ``(N, D)``), the ``(audio, text)`` keys of every pair, ``b`` and this rank's offset.
+    ``settings`` must match across ranks (checked with the inputs under gather)."""
     local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
     glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
 
@@ -911,6 +936,7 @@ def _prepare_pairs(
         b = next(iter(local.values())).shape[0]
         v.batch = b
         v.agree(audio=local[keys[0][0]], text=local[keys[0][1]])
+        v.settings(**(settings or {}))
     offset = 0
     for key, x in local.items():  # the same order on every rank
         glob[key], offset = _gather(x, enabled, validate)
