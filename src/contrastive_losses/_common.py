@@ -57,6 +57,40 @@ def _embeddings(
     return l2_normalize(x, norms) if normalize else x
 
 
+def _logit_range(
+    pairs: list[tuple[Tensor, str, Tensor, str]],
+    normalize: bool,
+    validate: bool,
+    *,
+    temperature: float | Tensor = 1.0,
+    scale: float | Tensor = 1.0,
+    shift: float | Tensor = 0.0,
+    radius: float = 0.0,
+) -> None:
+    """With ``normalize=False`` (and ``validate``) refuse embeddings whose logits could
+    overflow: with ``scale`` for ``scale / temperature``,
+    ``|<x_i, y_j>| * scale + |shift| <= ||x_i|| ||y_j|| * scale + |shift|``
+    (Cauchy-Schwarz; ``radius`` lengthens ``x``'s rows, SVR's support vectors) must stay
+    below a quarter of the dtype's max, where the log-sum-exp minus the positive, up to
+    twice a logit, is still finite. Beyond it the dense and tiled paths gave different
+    wrong values (float16 rows of 65504: NaN dense, 4096 and 3840 tiled; true log 4)."""
+    if normalize or not validate:
+        return
+    for x, x_name, y, y_name in pairs:
+        hi = float(_checks.exact_row_norms(x, torch.float64).amax()) + abs(radius)
+        hi *= float(_checks.exact_row_norms(y, torch.float64).amax())
+        hi *= float(scale) / float(temperature)
+        hi += abs(float(shift))
+        limit = torch.finfo(x.dtype).max / 4
+        if not hi <= limit:  # True for NaN too
+            raise ValueError(
+                f"{x_name}, {y_name}: with normalize=False their logits can reach {hi:.3g} "
+                f"(max ||{x_name}|| * max ||{y_name}|| times the logit scale), beyond "
+                f"{limit:.3g} (a quarter of {x.dtype}'s max) where the loss overflows; "
+                "normalize the embeddings, scale them down or use a wider dtype"
+            )
+
+
 def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
     _checks.check_same_size(a, a_name, b, b_name, 0, "batch size B")
     _checks.check_same_size(a, a_name, b, b_name, -1, "embedding dim D")
@@ -311,7 +345,7 @@ def _radius_tensor(radius: object, b: int, ref: Tensor, validate: bool = True) -
         if radius.dim() > 1 or (radius.dim() == 1 and radius.shape[0] != b):
             raise ValueError(
                 f"radius: expected a float, a 0-d tensor or shape ({b},) matching the "
-                f"anchors, got shape {tuple(radius.shape)}"
+                f"anchors, got shape {_checks.shape_of(radius)}"
             )
         _checks.check_float(radius, "radius")
         _checks.check_materialised(radius, "radius")
@@ -332,7 +366,9 @@ def _check_row_mask(mask: object, b: int, ref: Tensor) -> Tensor:
     """Bool ``(B,)`` row mask on ``ref``'s device."""
     mask = _checks.check_tensor(mask, "mask")
     if mask.dim() != 1 or mask.shape[0] != b:
-        raise ValueError(f"mask: expected shape ({b},) matching the batch, got {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask: expected shape ({b},) matching the batch, got {_checks.shape_of(mask)}"
+        )
     if mask.dtype != torch.bool:
         raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
     if mask.device != ref.device:

@@ -173,8 +173,7 @@ def _settings_agree(rows: list[list[int]]) -> bool:
                 continue
             same_float = mine[:2] == theirs[:2] and mine[1] == _FLOAT_TAG
             if not (
-                same_float
-                and math.isclose(_float_of(mine[2]), _float_of(theirs[2]), rel_tol=1e-6)
+                same_float and math.isclose(_float_of(mine[2]), _float_of(theirs[2]), rel_tol=1e-6)
             ):
                 return False
     return True
@@ -327,7 +326,7 @@ def _exchange_header(header: Tensor) -> Tensor:
 
     # torch >= 2.13 names it all_gather_single; 2.3-2.12 all_gather_tensor.
     gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-    out = gather(header, 0, dist.group.WORLD)
+    out = gather(header, 0, typing.cast(dist.ProcessGroup, dist.group.WORLD))
     return fc.wait_tensor(out).view(dist.get_world_size(), _HEADER)
 
 

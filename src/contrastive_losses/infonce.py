@@ -16,6 +16,7 @@ from ._common import (
     Terms,
     _finish,
     _info_nce_rows,
+    _logit_range,
     _pair_and_ids,
     _reduce,
     _temperature,
@@ -89,6 +90,7 @@ def info_nce(
         _temperature(temperature, validate)
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
+        _logit_range([(a, "audio", t, "text")], normalize, validate, temperature=temperature)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
         v.settings(

@@ -23,6 +23,7 @@ from ._common import (
     _finish,
     _gather,
     _gather_no_grad,
+    _logit_range,
     _LossSettings,
     _pair_and_ids,
     _reduce,
@@ -114,6 +115,7 @@ def siglip(
         _check_bias(bias, validate)
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
+        _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale, shift=bias)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
         v.settings(

@@ -28,6 +28,7 @@ from ._common import (
     _embeddings,
     _gather,
     _gather_no_grad,
+    _logit_range,
     _radius_tensor,
     _reduce,
     _temperature,
@@ -298,16 +299,31 @@ def support_vector_term(
         _checks.check_reduction(reduction)
         _temperature(temperature, validate)
         _checks.check_chunk_size(chunk_size)
+        raw = (anchor, candidates)
         dtype = getattr(anchor, "dtype", None)
         if dtype is not None and dtype == getattr(candidates, "dtype", None):
             anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
         x = _embeddings(anchor, "anchor", "(B, D)", normalize, v.min_batch, validate)
         y = _embeddings(candidates, "candidates", "(B, D)", normalize, v.min_batch, validate)
         _check_pair(x, "anchor", y, "candidates")
+        if validate and normalize and dtype in (torch.float16, torch.bfloat16):
+            # The norms the input dtype can normalise, as every other loss checks them:
+            # the float32 inside would accept a float16 row of 6e-8, whose gradient
+            # (over its norm) is then inf in float16.
+            for t_raw, t_name in zip(raw, ("anchor", "candidates"), strict=True):
+                _checks.check_row_norms(t_raw, t_name)
         b = x.shape[0]
         r = _radius_tensor(radius, b, x, validate)
         if mask is not None:
             mask = _check_row_mask(mask, b, x)
+        r_max = float(r.detach().abs().amax()) if isinstance(r, Tensor) and validate else r
+        _logit_range(
+            [(x, "anchor", y, "candidates")],
+            normalize,
+            validate,
+            temperature=temperature,
+            radius=r_max if isinstance(r_max, float) else 0.0,
+        )
         v.batch = b
         v.agree(anchor=x, candidates=y)
         v.settings(
@@ -444,7 +460,7 @@ class RadiusPredictor(nn.Module):
         _checks.check_materialised(s, "similarities")
         if s.dim() < 2:
             raise ValueError(
-                f"similarities: expected shape (..., B, N), got shape {tuple(s.shape)}"
+                f"similarities: expected shape (..., B, N), got shape {_checks.shape_of(s)}"
             )
         b, n = s.shape[-2], s.shape[-1]
         if n < 2:
@@ -452,13 +468,24 @@ class RadiusPredictor(nn.Module):
         if validate:
             _check_similarity_peak(s)
         _checks.check_int(offset, "offset", 0)
+        if offset == 0 and b > n:
+            raise ValueError(
+                f"similarities: shape {_checks.shape_of(s)} has B = {b} rows but N = {n} columns; "
+                "the positive of row r is column offset + r, so each of the B anchors needs "
+                "its row against N >= B candidates (its positive among them)"
+            )
         if offset + b > n:
-            raise ValueError(f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns")
+            raise ValueError(
+                f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns of "
+                f"similarities (shape {_checks.shape_of(s)}); the positive of row r is column "
+                "offset + r"
+            )
         if mask is not None:
             mask = _checks.check_tensor(mask, "mask")
             if tuple(mask.shape) != (*s.shape[:-2], n):
                 raise ValueError(
-                    f"mask: expected shape {(*s.shape[:-2], n)}, got {tuple(mask.shape)}"
+                    f"mask: expected shape {_checks.shape_of(s.sum(dim=-2))}, got "
+                    f"{_checks.shape_of(mask)}"
                 )
             if mask.dtype != torch.bool:
                 raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
@@ -819,9 +846,7 @@ class SupportVectorRegularizer(nn.Module):
             "chunk_size": chunk_size,
             "normalize": normalize,
         }
-        local, glob, keys, b, offset = _prepare_pairs(
-            pairs, normalize, enabled, validate, settings
-        )
+        local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled, validate, settings)
         if chunk_size is not None:
             return self._regularise_tiled(
                 pairs, local, glob, keys, b, offset, enabled, with_terms, chunk_size, validate
@@ -910,7 +935,8 @@ def _prepare_pairs(
         if key not in local:
             if x.dim() != 2:
                 raise ValueError(
-                    f"base: contrastive_pairs must give (B, D) tensors, got shape {tuple(x.shape)}"
+                    "base: contrastive_pairs must give (B, D) tensors, got shape "
+                    f"{_checks.shape_of(x)}"
                 )
             x = _upcast_half(x)  # float32 inside, as support_vector_term
             if normalize:  # masked rows may be zero padding, as in the base (KCL)
