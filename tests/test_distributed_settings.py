@@ -87,9 +87,7 @@ CASES = {
     "siglip bias": (
         "bias",
         ("-10", "-5"),
-        lambda r, a, t, m: SigLIPLoss(bias_init=(-10.0, -5.0)[r], gather=True).double()(
-            a, t[:, 0]
-        ),
+        lambda r, a, t, m: SigLIPLoss(bias_init=(-10.0, -5.0)[r], gather=True).double()(a, t[:, 0]),
     ),
     "siglip chunk_size": (
         "chunk_size",
@@ -99,9 +97,9 @@ CASES = {
     "kcl negatives": (
         "negatives",
         ("'per_language'", "'all_languages'"),
-        lambda r, a, t, m: KCLLoss(0.1, negatives=("per_language", "all_languages")[r], gather=True)(
-            a, t, m
-        ),
+        lambda r, a, t, m: KCLLoss(
+            0.1, negatives=("per_language", "all_languages")[r], gather=True
+        )(a, t, m),
     ),
     "kcl chunk_size": (
         "chunk_size",

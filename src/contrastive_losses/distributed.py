@@ -299,8 +299,10 @@ def validate_together(
     else:
         device = torch.device("cpu")
     if not validate:
-        yield v
-        _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
+        try:
+            yield v
+        finally:  # sent even when a check fails here: the collectives stay paired
+            _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
         return
     v.active = True
     error: Exception | None = None
