@@ -166,28 +166,31 @@ SIGNATURES = {
         "coarse_audio: 'Tensor | None' = None, coarse_text: 'Tensor | None' = None, *, "
         "injection_ratio: 'float' = 0.2, ot_weight: 'float' = 0.2, lambda_fine: 'float' = 0.2, "
         "lambda_coarse: 'float' = 0.3, epsilon: 'float' = 0.05, temperature: 'float' = 0.07, "
-        "sinkhorn_iters: 'int' = 50, detach_plan: 'bool' = True, plan: 'Tensor | None' = None, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', return_terms: 'bool' = False, "
-        "validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
+        "logit_scale: 'Tensor | None' = None, sinkhorn_iters: 'int' = 50, detach_plan: 'bool' = "
+        "True, plan: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', return_terms: 'bool' = False, validate_args: 'bool | None' = None) -> 'Tensor "
+        "| tuple[Tensor, dict[str, Tensor]]'"
     ),
     "contrastive_losses.functional.cacl": (
         "(audio: 'Tensor', english: 'Tensor', other: 'Tensor', temperature: 'float | Tensor' = "
-        "0.07, *, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
-        "None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, validate_args: "
-        "'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "0.07, *, logit_scale: 'Tensor | None' = None, normalize: 'bool' = True, reduction: "
+        "'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, "
+        "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'Tensor | "
+        "tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.info_nce": (
-        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, ids: 'Tensor "
-        "| None' = None, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
-        "None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, "
-        "validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
+        "logit_scale: 'Tensor | None' = None, ids: 'Tensor | None' = None, normalize: 'bool' = "
+        "True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = "
+        "False, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
+        "'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.kcl": (
-        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, mask: 'Tensor "
-        "| None' = None, negatives: 'str' = 'per_language', normalize: 'bool' = True, reduction: "
-        "'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: "
-        "'int | None' = None, validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, "
-        "Terms]'"
+        "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
+        "logit_scale: 'Tensor | None' = None, mask: 'Tensor | None' = None, negatives: 'str' = "
+        "'per_language', normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
+        "None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, "
+        "validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.l2_normalize": (
         "(x: 'Tensor', norms: 'Tensor | None' = None) -> 'Tensor'"
@@ -198,8 +201,9 @@ SIGNATURES = {
         "include_english: 'bool' = False) -> 'Tensor'"
     ),
     "contrastive_losses.functional.siglip": (
-        "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float | Tensor' "
-        "= -10.0, *, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
+        "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float | "
+        "Tensor' = -10.0, *, logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' = "
+        "None, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
         "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | "
         "None' = None, validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
@@ -209,10 +213,10 @@ SIGNATURES = {
         "None) -> 'Tensor'"
     ),
     "contrastive_losses.functional.support_vector_term": (
-        "(anchor: 'Tensor', candidates: 'Tensor', radius: 'float | Tensor', temperature: 'float | "
-        "Tensor' = 0.07, *, normalize: 'bool' = True, mask: 'Tensor | None' = None, reduction: "
-        "'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None, "
-        "validate_args: 'bool | None' = None) -> 'Tensor'"
+        "(anchor: 'Tensor', candidates: 'Tensor', radius: 'float | Tensor', temperature: 'float "
+        "| Tensor' = 0.07, *, logit_scale: 'Tensor | None' = None, normalize: 'bool' = True, "
+        "mask: 'Tensor | None' = None, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
+        "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'Tensor'"
     ),
     "contrastive_losses.losses.CACLLoss": (
         "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, learnable_temperature: 'bool' "
@@ -284,6 +288,42 @@ SIGNATURES = {
 }
 
 
+# forward of every loss Module: the per-call arguments (logit_scale: issue 21).
+FORWARD_SIGNATURES = {
+    "ASKLoss": (
+        "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, return_terms: "
+        "'bool' = False, *, logit_scale: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
+        "dict[str, Tensor]]'"
+    ),
+    "CACLLoss": (
+        "(self, audio: 'Tensor', english_or_text: 'Tensor', other: 'Tensor | None' = None, *, "
+        "mask: 'Tensor | None' = None, generator: 'torch.Generator | None' = None, logit_scale: "
+        "'Tensor | None' = None, return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
+        "dict[str, Tensor]]'"
+    ),
+    "InfoNCELoss": (
+        "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
+        "'Tensor | None' = None, return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
+        "dict[str, Tensor]]'"
+    ),
+    "KCLLoss": (
+        "(self, audio: 'Tensor', text: 'Tensor', mask: 'Tensor | None' = None, *, logit_scale: "
+        "'Tensor | None' = None, return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
+        "dict[str, Tensor]]'"
+    ),
+    "SigLIPLoss": (
+        "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
+        "'Tensor | None' = None, logit_bias: 'Tensor | None' = None, return_terms: 'bool' = "
+        "False) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
+    ),
+    "SupportVectorRegularizer": (
+        "(self, *args: 'Any', logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' "
+        "= None, return_terms: 'bool' = False, **kwargs: 'Any') -> 'Tensor | tuple[Tensor, "
+        "dict[str, Tensor]]'"
+    ),
+}
+
+
 @pytest.mark.parametrize("module", sorted(PUBLIC_ALL))
 def test_all_is_pinned(module: str) -> None:
     mod = importlib.import_module(module)
@@ -316,3 +356,10 @@ def test_signature_is_pinned(qualified: str) -> None:
     module, _, name = qualified.rpartition(".")
     obj = getattr(importlib.import_module(module), name)
     assert str(inspect.signature(obj)) == SIGNATURES[qualified]
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD_SIGNATURES))
+def test_forward_signature_is_pinned(name: str) -> None:
+    import contrastive_losses as cl
+
+    assert str(inspect.signature(getattr(cl, name).forward)) == FORWARD_SIGNATURES[name]

@@ -12,6 +12,7 @@ re-exported by :mod:`contrastive_losses.losses` and :mod:`contrastive_losses.fun
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -32,8 +33,10 @@ Terms = dict[str, Tensor]
 MIN_TEMPERATURE = 1e-4
 
 
-def _temperature(temperature: float | Tensor, validate: bool = True) -> None:
-    """A float or 0-d tensor temperature; the bounds of a tensor's value with ``validate``."""
+def _temperature(temperature: float | Tensor, validate: bool = True, stacklevel: int = 4) -> None:
+    """A float or 0-d tensor temperature; the bounds of a tensor's value with ``validate``.
+
+    A float above 1 warns (:func:`_warn_logit_scale_habit`)."""
     value = _checks.check_positive(temperature, "temperature", validate=validate)
     if value is not None and value < MIN_TEMPERATURE:
         raise ValueError(
@@ -41,6 +44,85 @@ def _temperature(temperature: float | Tensor, validate: bool = True) -> None:
             "(1/temperature scales the logits; beyond 1e4 they overflow float16 and the "
             "softmax is a hard argmax)"
         )
+    if not isinstance(temperature, Tensor):
+        _warn_logit_scale_habit(float(temperature), stacklevel=stacklevel)
+
+
+def _warn_logit_scale_habit(
+    temperature: float, name: str = "temperature", stacklevel: int = 4
+) -> None:
+    """Warn when a float temperature is above 1: open_clip and Hugging Face users pass
+    the logit scale 1/temperature (100, 14.3), which makes every loss about log B.
+    ``stacklevel`` counts from here to the user's call."""
+    if temperature > 1:
+        warnings.warn(
+            f"{name}={temperature:g} looks like a logit scale (1/temperature, as open_clip "
+            f"and Hugging Face store it); pass {name}={1 / temperature:.4g}, or the model's "
+            "scale per call: loss_fn(audio, text, logit_scale=model.logit_scale.exp())",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def _check_logit_scale(
+    logit_scale: object, ref: object, validate: bool = True, name: str = "logit_scale"
+) -> Tensor:
+    """The model's exp'd logit scale: a floating 0-d tensor on ``ref``'s device (when
+    ``ref`` is a tensor); with ``validate`` positive, finite and at most
+    ``1/MIN_TEMPERATURE`` (one host sync). Returns it."""
+    if not isinstance(logit_scale, Tensor):
+        raise TypeError(
+            f"{name}: expected a 0-d tensor (the model's exp'd scale, e.g. "
+            f"model.logit_scale.exp()), got {type(logit_scale).__name__}; for a fixed value "
+            "pass temperature=1/scale"
+        )
+    if logit_scale.dim() != 0:
+        raise ValueError(
+            f"{name}: expected a 0-d tensor, got shape {_checks.shape_of(logit_scale)}; "
+            "one scale for the whole batch"
+        )
+    _checks.check_float(logit_scale, name)
+    if isinstance(ref, Tensor) and logit_scale.device != ref.device:
+        raise ValueError(
+            f"{name}: on device {logit_scale.device} but the embeddings are on {ref.device}"
+        )
+    if validate:
+        _checks.check_materialised(logit_scale, name)
+        value = float(logit_scale.detach())
+        if not (0 < value <= 1 / MIN_TEMPERATURE):  # False for NaN
+            raise ValueError(
+                f"{name}: must be finite and in (0, {1 / MIN_TEMPERATURE:g}] (1/temperature, "
+                f"with the temperature floor {MIN_TEMPERATURE:g}), got {value}"
+            )
+    return logit_scale
+
+
+def _resolve_temperature(
+    temperature: float | Tensor,
+    logit_scale: Tensor | None,
+    ref: object,
+    validate: bool = True,
+    default: float = 0.07,
+) -> float | Tensor:
+    """The temperature of a call: ``temperature`` (checked), or ``1/logit_scale`` when the
+    model's scale is given (then ``temperature`` must be left at its ``default``)."""
+    if logit_scale is None:
+        _temperature(temperature, validate, stacklevel=5)
+        return temperature
+    if isinstance(temperature, Tensor) or temperature != default:
+        raise ValueError(
+            f"logit_scale: given together with temperature={temperature!r}; pass one of "
+            "them (logit_scale is 1/temperature, the model's exp'd scale)"
+        )
+    return _check_logit_scale(logit_scale, ref, validate).reciprocal()
+
+
+def _scale_setting(temperature: float | Tensor, logit_scale: Tensor | None) -> dict[str, object]:
+    """The fingerprint entry of a call's scale (ranks must agree on it under gather):
+    ``logit_scale`` when the model's scale is given, else ``temperature``."""
+    if logit_scale is None:
+        return {"temperature": temperature}
+    return {"logit_scale": logit_scale}
 
 
 def _embeddings(
@@ -275,7 +357,9 @@ class _TemperatureMixin(_LossSettings):
     def _init_temperature(
         self, temperature: float, learnable: bool, max_logit_scale: float
     ) -> None:
+        _refuse_trainable(temperature, "temperature", "learnable_temperature=True")
         _checks.check_positive(temperature, "temperature")
+        _warn_logit_scale_habit(float(temperature))
         _checks.check_positive(max_logit_scale, "max_logit_scale")
         if max_logit_scale > 1.0 / MIN_TEMPERATURE:
             raise ValueError(
@@ -296,19 +380,61 @@ class _TemperatureMixin(_LossSettings):
             self.register_buffer("log_logit_scale", log_scale)
 
     def _loss(
-        self, fn: Callable[..., Any], *args: Any, return_terms: bool, **kwargs: Any
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        return_terms: bool,
+        logit_scale: Tensor | None = None,
+        **kwargs: Any,
     ) -> Tensor | tuple[Tensor, Terms]:
-        """``fn(*args, temperature, ...)`` with this Module's settings; ``terms`` also
-        get the current temperature."""
-        temperature = self.temperature
-        out = fn(*args, temperature, return_terms=return_terms, **self._settings(), **kwargs)
-        return _with_terms(out, return_terms, temperature=temperature)
+        """``fn(*args, temperature, ...)`` with this Module's settings, or
+        ``fn(*args, logit_scale=...)`` with the model's scale; ``terms`` also get the
+        temperature used."""
+        settings = {**self._settings(), **kwargs, "return_terms": return_terms}
+        if logit_scale is None:
+            temperature = self.temperature
+            out = fn(*args, temperature, **settings)
+            return _with_terms(out, return_terms, temperature=temperature)
+        self._refuse_logit_scale()
+        out = fn(*args, logit_scale=logit_scale, **settings)
+        if not return_terms:
+            return out
+        return _with_terms(out, return_terms, temperature=1.0 / logit_scale.detach())
+
+    def _refuse_logit_scale(self) -> None:
+        """The model's scale and this Module's own learnable temperature exclude each other."""
+        if self.learnable_temperature:
+            raise ValueError(
+                f"logit_scale: {type(self).__name__}(learnable_temperature=True) learns its "
+                "own temperature; with the model's scale (logit_scale=...) build it with "
+                "learnable_temperature=False"
+            )
+
+    def _temperature_repr(self) -> str:
+        """``temperature=0.07`` or ``temperature=0.07 (learnable, max_logit_scale=100)``."""
+        value = f"temperature={float(self.temperature.detach()):.4g}"
+        if self.learnable_temperature:
+            value += f" (learnable, max_logit_scale={self.max_logit_scale:g})"
+        return value
 
     @property
     def temperature(self) -> Tensor:
         """Current temperature :math:`\\tau` as a 0-d tensor (differentiable if learnable)."""
         log_bound = math.log(self.max_logit_scale)
         return 1.0 / _UpperClamp.apply(self.log_logit_scale, log_bound).exp()
+
+
+def _refuse_trainable(value: object, name: str, instead: str) -> None:
+    """A tensor that requires grad, passed where the Module keeps a copy of its value, would
+    be frozen silently: refuse it and say how to learn it (``instead``) or pass the model's
+    scale per call."""
+    if isinstance(value, Tensor) and value.requires_grad:
+        raise TypeError(
+            f"{name}: got a tensor that requires grad; the Module keeps a copy of its value, "
+            f"so it would never be trained. To learn it in the loss pass a float and "
+            f"{instead}; to keep it in your model pass it per call: "
+            "loss_fn(audio, text, logit_scale=1 / temperature) (or model.logit_scale.exp())"
+        )
 
 
 def _with_terms(

@@ -41,7 +41,7 @@ from ._checks import (
     check_same_size,
     resolve_validate,
 )
-from ._common import _temperature
+from ._common import _resolve_temperature, _temperature
 from .bank import KnowledgeBank
 from .distributed import (
     all_gather_no_grad,
@@ -95,7 +95,7 @@ def _check_hparams(
             f"{lambda_fine} + {lambda_coarse}"
         )
     check_positive(epsilon, "epsilon")
-    _temperature(temperature)  # the library's floor, 1e-4: 1e-30 gave a loss of 6e29
+    _temperature(temperature, stacklevel=5)  # the library's floor, 1e-4: 1e-30 gave a loss of 6e29
     check_int(sinkhorn_iters, "sinkhorn_iters", 1)
     _check_bool(detach_plan, "detach_plan")
     _check_bool(normalize, "normalize")
@@ -389,6 +389,7 @@ def ask(
     lambda_coarse: float = 0.3,
     epsilon: float = 0.05,
     temperature: float = 0.07,
+    logit_scale: Tensor | None = None,
     sinkhorn_iters: int = 50,
     detach_plan: bool = True,
     plan: Tensor | None = None,
@@ -448,6 +449,8 @@ def ask(
         epsilon: Sinkhorn regularisation, in cosine-similarity units.
         temperature: :math:`\tau \ge 10^{-4}` of the logits (the potentials have none,
             as printed).
+        logit_scale: the model's exp'd scale :math:`1/\tau` as a 0-d tensor, used
+            instead of ``temperature`` (leave that at its default), with gradient.
         sinkhorn_iters: Sinkhorn iterations.
         detach_plan: treat :math:`Q_g` as a constant (no gradient through the iterations).
         plan: use this plan instead of computing it (tests, diagnostics): ``(B, B)`` for
@@ -498,6 +501,9 @@ def ask(
         injection_ratio, ot_weight, lambda_fine, lambda_coarse, epsilon, temperature,
         sinkhorn_iters, detach_plan, normalize, reduction,
     )  # fmt: skip
+    scale_or_temperature: float | Tensor = temperature
+    if logit_scale is not None:
+        scale_or_temperature = _resolve_temperature(temperature, logit_scale, audio, validate)
     # float16/bfloat16 inputs: all arithmetic in float32 (exp, log-sum-exp, Sinkhorn).
     cdt = torch.promote_types(audio.dtype, torch.float32)
     sources = _retrieval_pairs(
@@ -523,8 +529,9 @@ def ask(
         )
         sim = inject(u, u_ret, injection_ratio) @ inject(v, v_ret, injection_ratio).T  # S_g
         mix = _realignment(sim, q, eye, ot_weight, epsilon, sinkhorn_iters, detach_plan, method)
-        ce[g, "a2t"] = F.cross_entropy((mix @ sim) / temperature, target, reduction="none")
-        ce[g, "t2a"] = F.cross_entropy((sim @ mix).T / temperature, target, reduction="none")
+        tau = scale_or_temperature
+        ce[g, "a2t"] = F.cross_entropy((mix @ sim) / tau, target, reduction="none")
+        ce[g, "t2a"] = F.cross_entropy((sim @ mix).T / tau, target, reduction="none")
 
     zero = u.new_zeros(())
     lambdas = {"fine": lambda_fine, "coarse": lambda_coarse}
@@ -728,9 +735,28 @@ class ASKLoss(nn.Module):
         return pairs.to(like.device, like.dtype)
 
     def forward(
-        self, audio: Tensor, text: Tensor, ids: Tensor | None = None, return_terms: bool = False
+        self,
+        audio: Tensor,
+        text: Tensor,
+        ids: Tensor | None = None,
+        return_terms: bool = False,
+        *,
+        logit_scale: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        """Loss for the batch; ``ids`` are the dataset ids (a sample never retrieves itself)."""
+        """The loss of one batch: retrieve its knowledge from the bank, then :func:`ask`.
+
+        Args:
+            audio: audio embeddings ``(B, D)``.
+            text: text embeddings ``(B, D)``; pair ``i`` is ``(audio[i], text[i])``.
+            ids: the dataset ids ``(B,)`` of the pairs (required): a sample never
+                retrieves itself (or its caption siblings) from the bank.
+            return_terms: also return the detached terms of :func:`ask`.
+            logit_scale: the model's exp'd scale :math:`1/\tau`, a 0-d tensor, used
+                instead of ``temperature``, with gradient.
+
+        Returns:
+            The loss, a scalar (``(B,)`` with ``reduction="none"``), or ``(loss, terms)``.
+        """
         enabled = resolve_gather(self.gather)
         validate = resolve_validate(self.validate_args)
         # Under gather a check failing on one rank is raised on every rank (no rank is left
@@ -763,7 +789,8 @@ class ASKLoss(nn.Module):
             knowledge: dict[str, Any] = self.retrieve(audio, text, ids)
             v.batch = audio.shape[0]
             v.agree(audio=audio, text=text)
-            v.settings(**{k: getattr(self, k) for k in _AGREED})
+            model_scale = {} if logit_scale is None else {"logit_scale": logit_scale}
+            v.settings(**{k: getattr(self, k) for k in _AGREED}, **model_scale)
         b, offset = audio.shape[0], 0
         if enabled:
             # Sinkhorn couples every pair of the batch, so each rank evaluates the loss of
@@ -777,6 +804,11 @@ class ASKLoss(nn.Module):
                 else all_gather_no_grad(value.detach(), equal_sizes=not validate)
                 for key, value in knowledge.items()
             }
+        scale: dict[str, Any] = (
+            {"temperature": self.temperature}
+            if logit_scale is None
+            else {"logit_scale": logit_scale}
+        )
         out = ask(
             audio,
             text,
@@ -789,13 +821,13 @@ class ASKLoss(nn.Module):
             lambda_fine=self.lambda_fine,
             lambda_coarse=self.lambda_coarse,
             epsilon=self.epsilon,
-            temperature=self.temperature,
             sinkhorn_iters=self.sinkhorn_iters,
             detach_plan=self.detach_plan,
             normalize=self.normalize,
             reduction=self.reduction,
             return_terms=return_terms,
             validate_args=validate,
+            **scale,
         )
         if self.reduction != "none" or audio.shape[0] == b:
             return out

@@ -23,7 +23,8 @@ from ._common import (
     _info_nce_rows,
     _logit_range,
     _reduce,
-    _temperature,
+    _resolve_temperature,
+    _scale_setting,
     _TemperatureMixin,
 )
 from .distributed import resolve_gather, validate_together
@@ -37,6 +38,7 @@ def cacl(
     other: Tensor,
     temperature: float | Tensor = 0.07,
     *,
+    logit_scale: Tensor | None = None,
     normalize: bool = True,
     reduction: str = "mean",
     gather: bool | None = None,
@@ -62,6 +64,10 @@ def cacl(
         english: English captions ``(B, D)``.
         other: captions in the other language ``(B, D)``.
         temperature: :math:`\tau \ge 10^{-4}`.
+        logit_scale: the model's exp'd logit scale :math:`1/\tau` as a 0-d tensor
+            (open_clip's and Hugging Face's ``logit_scale.exp()``), used instead of
+            ``temperature`` (leave that at its default); its gradient flows back to the
+            model. At most :math:`10^4`; checked positive and finite with the value checks.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (``(B,)``, mean of the three terms).
         gather: all-gather across ranks.
@@ -86,7 +92,7 @@ def cacl(
     validate = _checks.resolve_validate(validate_args)
     with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
-        _temperature(temperature, validate)
+        temperature = _resolve_temperature(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
         e = _embeddings(english, "english", "(B, D)", normalize, v.min_batch, validate)
@@ -98,7 +104,10 @@ def cacl(
         v.batch = a.shape[0]
         v.agree(audio=a, english=e, other=o)
         v.settings(
-            temperature=temperature, reduction=reduction, chunk_size=chunk_size, normalize=normalize
+            **_scale_setting(temperature, logit_scale),
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
         )
     per_sample: list[Tensor] = []
     terms: Terms = {}
@@ -385,10 +394,31 @@ class CACLLoss(_TemperatureMixin):
         *,
         mask: Tensor | None = None,
         generator: torch.Generator | None = None,
+        logit_scale: Tensor | None = None,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one batch, in either call form.
+
+        Args:
+            audio: audio embeddings ``(B, D)``.
+            english_or_text: English captions ``(B, D)``, or every language's captions
+                ``(B, K, D)`` with English at ``english_index``.
+            other: with ``(B, D)`` English, the other-language captions ``(B, D)``; with
+                ``(B, K, D)`` text, the language index per sample ``(B,)``, or ``None`` to
+                draw it (:func:`~contrastive_losses.functional.sample_languages`).
+            mask: bool ``(B, K)`` of present captions (the ``(B, K, D)`` form).
+            generator: the random source of the language draw.
+            logit_scale: the model's exp'd scale :math:`1/\tau`, a 0-d tensor, used
+                instead of this Module's temperature, with gradient; refused when the
+                temperature is learnable here.
+            return_terms: also return the detached terms ``{"loss_audio_english",
+                "loss_audio_other", "loss_english_other", "temperature"}``.
+
+        Returns:
+            The loss, a scalar (``(B,)`` with ``reduction="none"``), or ``(loss, terms)``.
+        """
         a, e, o = self.triplet(audio, english_or_text, other, mask=mask, generator=generator)
-        return self._loss(cacl, a, e, o, return_terms=return_terms)
+        return self._loss(cacl, a, e, o, logit_scale=logit_scale, return_terms=return_terms)
 
     def contrastive_pairs(
         self,

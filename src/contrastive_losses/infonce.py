@@ -19,7 +19,8 @@ from ._common import (
     _logit_range,
     _pair_and_ids,
     _reduce,
-    _temperature,
+    _resolve_temperature,
+    _scale_setting,
     _TemperatureMixin,
 )
 from .distributed import resolve_gather, validate_together
@@ -32,6 +33,7 @@ def info_nce(
     text: Tensor,
     temperature: float | Tensor = 0.07,
     *,
+    logit_scale: Tensor | None = None,
     ids: Tensor | None = None,
     normalize: bool = True,
     reduction: str = "mean",
@@ -57,6 +59,10 @@ def info_nce(
         audio: audio embeddings ``(B, D)``.
         text: text embeddings ``(B, D)``; ``text[i]`` is the positive of ``audio[i]``.
         temperature: :math:`\tau \ge 10^{-4}`, a float or a 0-d tensor (learnable).
+        logit_scale: the model's exp'd logit scale :math:`1/\tau` as a 0-d tensor
+            (open_clip's and Hugging Face's ``logit_scale.exp()``), used instead of
+            ``temperature`` (leave that at its default); its gradient flows back to the
+            model. At most :math:`10^4`; checked positive and finite with the value checks.
         ids: optional integer ``(B,)`` sample ids; equal ids are positives.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-sample ``(B,)``).
@@ -87,14 +93,14 @@ def info_nce(
     validate = _checks.resolve_validate(validate_args)
     with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
-        _temperature(temperature, validate)
+        temperature = _resolve_temperature(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         _logit_range([(a, "audio", t, "text")], normalize, validate, temperature=temperature)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
         v.settings(
-            temperature=temperature,
+            **_scale_setting(temperature, logit_scale),
             reduction=reduction,
             chunk_size=chunk_size,
             normalize=normalize,
@@ -157,9 +163,27 @@ class InfoNCELoss(_TemperatureMixin):
         text: Tensor,
         ids: Tensor | None = None,
         *,
+        logit_scale: Tensor | None = None,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        return self._loss(info_nce, audio, text, ids=ids, return_terms=return_terms)
+        """The loss of one batch.
+
+        Args:
+            audio: audio embeddings ``(B, D)``.
+            text: text embeddings ``(B, D)``; ``text[i]`` is the positive of ``audio[i]``.
+            ids: optional integer sample ids ``(B,)``; equal ids are positives.
+            logit_scale: the model's exp'd scale :math:`1/\tau`, a 0-d tensor (open_clip,
+                Hugging Face), used instead of this Module's temperature, with gradient;
+                refused when the temperature is learnable here.
+            return_terms: also return the detached terms ``{"loss_a2t", "loss_t2a",
+                "temperature"}``.
+
+        Returns:
+            The loss, a scalar (``(B,)`` with ``reduction="none"``), or ``(loss, terms)``.
+        """
+        return self._loss(
+            info_nce, audio, text, ids=ids, logit_scale=logit_scale, return_terms=return_terms
+        )
 
     def contrastive_pairs(
         self, audio: Tensor, text: Tensor, ids: Tensor | None = None

@@ -28,7 +28,8 @@ from ._common import (
     _logit_range,
     _multi_positive_ce,
     _reduce,
-    _temperature,
+    _resolve_temperature,
+    _scale_setting,
     _TemperatureMixin,
 )
 from ._kernels import (
@@ -71,6 +72,7 @@ def kcl(
     text: Tensor,
     temperature: float | Tensor = 0.07,
     *,
+    logit_scale: Tensor | None = None,
     mask: Tensor | None = None,
     negatives: str = "per_language",
     normalize: bool = True,
@@ -108,6 +110,10 @@ def kcl(
         audio: ``(B, D)``.
         text: ``(B, K, D)``; ``text[i, k]`` is the caption of clip ``i`` in language ``k``.
         temperature: :math:`\tau \ge 10^{-4}`.
+        logit_scale: the model's exp'd logit scale :math:`1/\tau` as a 0-d tensor
+            (open_clip's and Hugging Face's ``logit_scale.exp()``), used instead of
+            ``temperature`` (leave that at its default); its gradient flows back to the
+            model. At most :math:`10^4`; checked positive and finite with the value checks.
         mask: optional bool ``(B, K)``; ``True`` where the caption exists. Every clip
             needs at least one caption. Absent captions may be zero rows (padding) but
             must be finite (a NaN would reach the present rows' gradients).
@@ -140,7 +146,7 @@ def kcl(
     with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
-        _temperature(temperature, validate)
+        temperature = _resolve_temperature(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
         t_raw, text_norms, m, moderate = _text_and_mask(
@@ -150,7 +156,7 @@ def kcl(
         v.batch = a.shape[0]
         v.agree(audio=a, text=t_raw)
         v.settings(
-            temperature=temperature,
+            **_scale_setting(temperature, logit_scale),
             negatives=negatives,
             reduction=reduction,
             chunk_size=chunk_size,
@@ -394,10 +400,32 @@ class KCLLoss(_TemperatureMixin):
         text: Tensor,
         mask: Tensor | None = None,
         *,
+        logit_scale: Tensor | None = None,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one batch.
+
+        Args:
+            audio: audio embeddings ``(B, D)``.
+            text: captions ``(B, K, D)``, ``text[i, k]`` of clip ``i`` in language ``k``.
+            mask: optional bool ``(B, K)``, ``True`` where the caption exists.
+            logit_scale: the model's exp'd scale :math:`1/\tau`, a 0-d tensor, used
+                instead of this Module's temperature, with gradient; refused when the
+                temperature is learnable here.
+            return_terms: also return the detached terms (``loss_a2t``, ``loss_t2a``,
+                ``temperature``, ...; see :func:`~contrastive_losses.functional.kcl`).
+
+        Returns:
+            The loss, a scalar (``(B, K)`` with ``reduction="none"``), or ``(loss, terms)``.
+        """
         return self._loss(
-            kcl, audio, text, mask=mask, negatives=self.negatives, return_terms=return_terms
+            kcl,
+            audio,
+            text,
+            mask=mask,
+            negatives=self.negatives,
+            logit_scale=logit_scale,
+            return_terms=return_terms,
         )
 
     def contrastive_pairs(

@@ -9,6 +9,7 @@ Module with a learnable logit scale :math:`c` (stored as :math:`\log c`) and bia
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from ._common import (
     ContrastivePair,
     Terms,
     _batch,
+    _check_logit_scale,
     _finish,
     _gather,
     _gather_no_grad,
@@ -27,6 +29,7 @@ from ._common import (
     _LossSettings,
     _pair_and_ids,
     _reduce,
+    _refuse_trainable,
 )
 from ._kernels import _TiledSigmoid
 from .distributed import resolve_gather, validate_together
@@ -45,16 +48,39 @@ def _check_scale(scale: float | Tensor, validate: bool = True) -> None:
         )
 
 
-def _check_bias(bias: float | Tensor, validate: bool = True) -> None:
+def _check_bias(bias: float | Tensor, validate: bool = True, name: str = "bias") -> None:
     """A finite real scalar (SigLIP's bias may be negative or zero) of moderate size (a
     tensor's value with ``validate`` only)."""
-    value = _checks.check_scalar(bias, "bias", floating=True, validate=validate)
+    value = _checks.check_scalar(bias, name, floating=True, validate=validate)
     if value is None:
         return
     if value != value or abs(value) == float("inf"):
-        raise ValueError(f"bias: must be finite, got {value}")
+        raise ValueError(f"{name}: must be finite, got {value}")
     if abs(value) > 1 / MIN_TEMPERATURE:  # a logit of its own: the same bound as the scale
-        raise ValueError(f"bias: |{value:.3g}| exceeds {1 / MIN_TEMPERATURE:g}")
+        raise ValueError(f"{name}: |{value:.3g}| exceeds {1 / MIN_TEMPERATURE:g}")
+
+
+def _model_scale_bias(
+    scale: float | Tensor,
+    bias: float | Tensor,
+    logit_scale: Tensor | None,
+    logit_bias: Tensor | None,
+    ref: object,
+    validate: bool,
+) -> tuple[float | Tensor, float | Tensor]:
+    """``(scale, bias)`` of a call: the model's ``logit_scale`` and ``logit_bias`` where
+    given (0-d floating tensors on ``ref``'s device), each refused together with a
+    non-default ``scale`` or ``bias``."""
+    if logit_scale is not None:
+        if isinstance(scale, Tensor) or scale != 10.0:
+            raise ValueError(f"logit_scale: given together with scale={scale!r}; pass one of them")
+        scale = _check_logit_scale(logit_scale, ref, validate)
+    if logit_bias is not None:
+        if isinstance(bias, Tensor) or bias != -10.0:
+            raise ValueError(f"logit_bias: given together with bias={bias!r}; pass one of them")
+        bias = _check_logit_scale(logit_bias, ref, validate=False, name="logit_bias")
+        _check_bias(bias, validate, "logit_bias")  # may be negative: its own bounds
+    return scale, bias
 
 
 def siglip(
@@ -63,6 +89,8 @@ def siglip(
     scale: float | Tensor = 10.0,
     bias: float | Tensor = -10.0,
     *,
+    logit_scale: Tensor | None = None,
+    logit_bias: Tensor | None = None,
     ids: Tensor | None = None,
     normalize: bool = True,
     reduction: str = "mean",
@@ -87,6 +115,12 @@ def siglip(
         text: ``(B, D)``.
         scale: :math:`c > 0`, float or 0-d tensor.
         bias: :math:`b`, float or 0-d tensor.
+        logit_scale: the model's exp'd scale :math:`c` as a 0-d tensor (open_clip's
+            ``logit_scale.exp()``), used instead of ``scale`` (leave that at its
+            default), with gradient; at most :math:`10^4`, checked positive and finite
+            with the value checks.
+        logit_bias: the model's bias :math:`b` as a 0-d tensor (open_clip's
+            ``logit_bias``), used instead of ``bias`` (leave that at its default).
         ids: optional ``(B,)``; equal ids are positives.
         normalize: L2-normalise the inputs first.
         reduction: ``"mean"`` (sum over pairs / B), ``"sum"``, or ``"none"`` (row sums ``(B,)``).
@@ -111,16 +145,19 @@ def siglip(
     validate = _checks.resolve_validate(validate_args)
     with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
-        _check_scale(scale, validate)
-        _check_bias(bias, validate)
+        if logit_scale is None:
+            _check_scale(scale, validate)
+        if logit_bias is None:
+            _check_bias(bias, validate)
+        scale, bias = _model_scale_bias(scale, bias, logit_scale, logit_bias, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale, shift=bias)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
         v.settings(
-            scale=scale,
-            bias=bias,
+            **{"logit_scale" if logit_scale is not None else "scale": scale},
+            **{"logit_bias" if logit_bias is not None else "bias": bias},
             reduction=reduction,
             chunk_size=chunk_size,
             normalize=normalize,
@@ -192,6 +229,8 @@ class SigLIPLoss(_LossSettings):
         validate_args: bool | None = None,
     ) -> None:
         super().__init__()
+        _refuse_trainable(scale_init, "scale_init", "learnable=True")
+        _refuse_trainable(bias_init, "bias_init", "learnable=True")
         _checks.check_positive(scale_init, "scale_init")
         _checks.resolve_validate(validate_args)  # the type
         if not torch.finfo(torch.float32).tiny <= scale_init <= 1.0 / MIN_TEMPERATURE:
@@ -207,6 +246,7 @@ class SigLIPLoss(_LossSettings):
                 f"got {bias_init}"
             )
         self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
+        self.learnable = learnable
         log_scale = torch.tensor(math.log(scale_init))
         bias = torch.tensor(float(bias_init))
         if learnable:
@@ -232,16 +272,39 @@ class SigLIPLoss(_LossSettings):
         text: Tensor,
         ids: Tensor | None = None,
         *,
+        logit_scale: Tensor | None = None,
+        logit_bias: Tensor | None = None,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one batch.
+
+        Args:
+            audio: audio embeddings ``(B, D)``.
+            text: text embeddings ``(B, D)``; ``text[i]`` is the positive of ``audio[i]``.
+            ids: optional integer sample ids ``(B,)``; equal ids are positives.
+            logit_scale: the model's exp'd scale :math:`c`, a 0-d tensor (open_clip's
+                ``logit_scale.exp()``), used instead of this Module's scale, with gradient.
+            logit_bias: the model's bias :math:`b`, a 0-d tensor, used instead of this
+                Module's bias. Both are refused when this Module learns its own
+                (``learnable=True``, the default): build it with ``learnable=False``.
+            return_terms: also return the detached terms ``{"scale", "bias"}``.
+
+        Returns:
+            The loss, a scalar (``(B,)`` row sums with ``reduction="none"``), or
+            ``(loss, terms)``.
+        """
+        if (logit_scale is not None or logit_bias is not None) and self.learnable:
+            given = "logit_scale" if logit_scale is not None else "logit_bias"
+            raise ValueError(
+                f"{given}: SigLIPLoss(learnable=True) learns its own scale and bias; with "
+                "the model's (logit_scale=..., logit_bias=...) build it with learnable=False"
+            )
+        scale: dict[str, Any] = (
+            {"scale": self.scale} if logit_scale is None else {"logit_scale": logit_scale}
+        )
+        bias = {"bias": self.bias} if logit_bias is None else {"logit_bias": logit_bias}
         return siglip(
-            audio,
-            text,
-            self.scale,
-            self.bias,
-            ids=ids,
-            return_terms=return_terms,
-            **self._settings(),
+            audio, text, ids=ids, return_terms=return_terms, **scale, **bias, **self._settings()
         )
 
     def contrastive_pairs(

@@ -31,6 +31,9 @@ from ._common import (
     _logit_range,
     _radius_tensor,
     _reduce,
+    _refuse_trainable,
+    _resolve_temperature,
+    _scale_setting,
     _temperature,
     check_radius,
 )
@@ -227,6 +230,7 @@ def support_vector_term(
     radius: float | Tensor,
     temperature: float | Tensor = 0.07,
     *,
+    logit_scale: Tensor | None = None,
     normalize: bool = True,
     mask: Tensor | None = None,
     reduction: str = "mean",
@@ -263,6 +267,8 @@ def support_vector_term(
         radius: :math:`R`: a float, a 0-d tensor, or one radius per anchor ``(B,)``;
             :math:`|R| \le 10^4`.
         temperature: :math:`\tau \ge 10^{-4}`, a float or a 0-d tensor.
+        logit_scale: the model's exp'd scale :math:`1/\tau` as a 0-d tensor, used
+            instead of ``temperature`` (leave that at its default).
         normalize: L2-normalise the inputs first.
         mask: optional bool ``(B,)``: ``False`` drops the pair as an anchor and as a
             candidate (an absent caption).
@@ -297,7 +303,7 @@ def support_vector_term(
     validate = _checks.resolve_validate(validate_args)
     with validate_together(enabled, anchor, name="anchor", validate=validate) as v:
         _checks.check_reduction(reduction)
-        _temperature(temperature, validate)
+        temperature = _resolve_temperature(temperature, logit_scale, anchor, validate)
         _checks.check_chunk_size(chunk_size)
         raw = (anchor, candidates)
         dtype = getattr(anchor, "dtype", None)
@@ -327,7 +333,7 @@ def support_vector_term(
         v.batch = b
         v.agree(anchor=x, candidates=y)
         v.settings(
-            temperature=temperature,
+            **_scale_setting(temperature, logit_scale),
             radius="per anchor" if isinstance(r, Tensor) and r.dim() == 1 else r,
             reduction=reduction,
             chunk_size=chunk_size,
@@ -641,6 +647,7 @@ class SupportVectorRegularizer(nn.Module):
             raise TypeError(
                 f"base: {type(base).__name__} has no temperature property; pass temperature="
             )
+        _refuse_trainable(temperature, "temperature", "learnable_temperature=True on the base")
         if temperature is not None:
             _temperature(temperature)
         _check_base_reduction(base)
@@ -693,20 +700,50 @@ class SupportVectorRegularizer(nn.Module):
         return cast(Tensor, self.base.temperature)
 
     def forward(
-        self, *args: Any, return_terms: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        logit_scale: Tensor | None = None,
+        logit_bias: Tensor | None = None,
+        return_terms: bool = False,
+        **kwargs: Any,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        r"""The base loss plus the SVR and constraint terms, on one batch.
+
+        Args:
+            *args: the base's positional arguments: audio ``(B, D)`` and text ``(B, D)``
+                (InfoNCE, SigLIP; ``ids`` ``(B,)``), text ``(B, K, D)`` (KCL; ``mask``
+                ``(B, K)``), or CACL's triplet or ``(audio, text, other_index)``.
+            logit_scale: the model's exp'd scale :math:`1/	au`, a 0-d tensor: passed to
+                the base (which then refuses a learnable temperature of its own) and, detached,
+                the SVR temperature and the predictor's :math:`\cos/	au` (unless this
+                regulariser has its own ``temperature``).
+            logit_bias: the model's SigLIP bias, a 0-d tensor, passed to a SigLIP base.
+            return_terms: also return the detached terms: the base's, and ``base``,
+                ``svr``, ``constraint``, ``radius_mean``/``std``/``min``/``max``,
+                ``radius_over_distance`` and ``svr_radius_slope`` (see the class).
+            **kwargs: the base's keyword arguments (``ids``, ``mask``, ``generator``...).
+
+        Returns:
+            The scalar loss, or ``(loss, terms)``.
+        """
         _check_base_reduction(self.base)
         resolve = getattr(self.base, "resolve_inputs", None)
         if callable(resolve):
             args, kwargs = resolve(*args, **kwargs)
+        model_scale = {"logit_scale": logit_scale} if logit_scale is not None else {}
+        if logit_bias is not None:
+            model_scale["logit_bias"] = logit_bias
         terms: dict[str, Tensor] = {}
         if return_terms:
-            base_loss, terms = self.base(*args, return_terms=True, **kwargs)
+            base_loss, terms = self.base(*args, return_terms=True, **model_scale, **kwargs)
         else:
-            base_loss = self.base(*args, **kwargs)
+            base_loss = self.base(*args, **model_scale, **kwargs)
         pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
         validate = _checks.resolve_validate(self.validate_args)
-        svr, constraint, radius_terms, over = self._regularise(pairs, return_terms, validate)
+        temperature = self._detached_temperature(logit_scale)
+        svr, constraint, radius_terms, over = self._regularise(
+            pairs, temperature, return_terms, validate
+        )
         loss = base_loss + (self.alpha * svr).to(base_loss.dtype)
         if self.constraint:
             loss = loss + (self.beta * constraint).to(base_loss.dtype)
@@ -820,19 +857,26 @@ class SupportVectorRegularizer(nn.Module):
     # ------------------------------------------------------------------ internals
 
     def _regularise(
-        self, pairs: list[Any], with_terms: bool = False, validate: bool = True
+        self,
+        pairs: list[Any],
+        temperature: Tensor | float | None = None,
+        with_terms: bool = False,
+        validate: bool = True,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor] | None, Tensor]:
         """SVR and constraint terms (per-direction means over every present anchor, summed
         over the directions and halved), with ``with_terms`` the radius terms (the radii's
         mean, std, min and max and the mean of ``tau * d(row)/dR`` over the present
         anchors), and the share of anchors whose radius exceeds ``||a - t||`` (their
-        perpendicular pushes change sign). ``validate``: the value checks (host syncs).
+        perpendicular pushes change sign). ``temperature``: the SVR's, detached (``None``:
+        the override or the base's); ``validate``: the value checks (host syncs).
 
         Matmuls run per pair (and per distinct tensor for the positive-candidate Gram
         matrices, e.g. KCL's audio once for all languages); everything after them runs
         batched over the ``Q = P`` (uni) or ``2P`` (bi) anchor/candidate problems on
         ``(Q, b, N)`` similarity tensors.
         """
+        if temperature is None:
+            temperature = self._detached_temperature()
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
         chunk_size = getattr(self.base, "chunk_size", None)
@@ -842,19 +886,27 @@ class SupportVectorRegularizer(nn.Module):
             "alpha": self.alpha,
             "beta": self.beta,
             "constraint": self.constraint,
-            "temperature": self._detached_temperature(),
+            "temperature": temperature,  # the model's 1/logit_scale when given
             "chunk_size": chunk_size,
             "normalize": normalize,
         }
         local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled, validate, settings)
         if chunk_size is not None:
             return self._regularise_tiled(
-                pairs, local, glob, keys, b, offset, enabled, with_terms, chunk_size, validate
+                pairs,
+                local,
+                glob,
+                keys,
+                b,
+                offset,
+                enabled,
+                temperature,
+                with_terms,
+                chunk_size,
+                validate,
             )
         sims, pos_sims, dist = _pair_similarities(local, glob, keys, self.direction, enabled)
         row_mask, col_mask = _pair_masks(pairs, b, sims, enabled, validate)
-
-        temperature = self._detached_temperature()
         if self.predictor is None:
             radius = self.radius.to(sims.dtype)  # ()
         else:  # SupCLAP's s = cos / tau, detached inside the predictor
@@ -869,8 +921,11 @@ class SupportVectorRegularizer(nn.Module):
             rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
         )
 
-    def _detached_temperature(self) -> Tensor | float:
-        """The SVR temperature; a learnable one learns from the base only."""
+    def _detached_temperature(self, logit_scale: Tensor | None = None) -> Tensor | float:
+        """The SVR temperature: the override, else ``1/logit_scale`` (the model's), else
+        the base's; detached, so a learnable one learns from the base only."""
+        if self.svr_temperature is None and logit_scale is not None:
+            return 1.0 / logit_scale.detach()
         temperature = self.temperature
         return temperature.detach() if isinstance(temperature, Tensor) else temperature
 
@@ -883,6 +938,7 @@ class SupportVectorRegularizer(nn.Module):
         b: int,
         offset: int,
         enabled: bool,
+        temperature: Tensor | float,
         with_terms: bool,
         chunk_size: int,
         validate: bool,
@@ -893,7 +949,6 @@ class SupportVectorRegularizer(nn.Module):
         x, y, y_pos = _pair_problems(local, glob, keys, self.direction)
         dist = _distance(x, y_pos)  # (Q, b)
         row_mask, col_mask = _pair_masks(pairs, b, x, enabled, validate)
-        temperature = self._detached_temperature()
         if self.predictor is None:
             radius = self.radius.to(x.dtype)  # ()
         else:  # SupCLAP's s = cos / tau, from the running top-k of every tile
@@ -924,15 +979,20 @@ def _prepare_pairs(
     settings: dict[str, Any] | None = None,
 ) -> tuple[dict[int, Tensor], dict[int, Tensor], list[tuple[int, int]], int, int]:
     """The pairs' tensors checked, upcast from half precision and normalised once each
-    (``id(raw tensor) ->`` local rows ``(b, D)``), gathered (``->`` global rows
+    (key of the raw tensor ``->`` local rows ``(b, D)``), gathered (``->`` global rows
     ``(N, D)``), the ``(audio, text)`` keys of every pair, ``b`` and this rank's offset.
     ``settings`` must match across ranks (checked with the inputs under gather)."""
-    local: dict[int, Tensor] = {}  # id(raw tensor) -> normalised local rows
-    glob: dict[int, Tensor] = {}  # id(raw tensor) -> gathered rows (N, D)
+    local: dict[int, Tensor] = {}  # key of the raw tensor -> normalised local rows
+    glob: dict[int, Tensor] = {}  # key of the raw tensor -> gathered rows (N, D)
+    raw: list[Tensor] = []  # the distinct raw tensors, in order of first use
 
     def prepare(x: Tensor, name: str, mask: Tensor | None = None) -> int:
-        key = id(x)
-        if key not in local:
+        # The key is the position among the distinct tensors, found by identity (``is``):
+        # not ``id(x)``, which torch.compile guards on the input object itself, so every
+        # step's fresh embeddings would invalidate the compiled graph (a recompile a step).
+        key = next((i for i, r in enumerate(raw) if r is x), len(raw))
+        if key == len(raw):
+            raw.append(x)
             if x.dim() != 2:
                 raise ValueError(
                     "base: contrastive_pairs must give (B, D) tensors, got shape "
@@ -1002,7 +1062,7 @@ def _pair_similarities(
     """Anchor-candidate similarities ``s`` and positive-candidate similarities ``g``
     ``(Q, b, N)``, and the anchor-positive distances ``(Q, b)``: text anchors against the
     audio for every pair, then (``"bi"``) audio anchors against the text."""
-    grams: dict[int, Tensor] = {}  # id(raw tensor) -> local @ gathered.T (b, N)
+    grams: dict[int, Tensor] = {}  # key of the raw tensor -> local @ gathered.T (b, N)
 
     def gram(key: int) -> Tensor:
         if key not in grams:
