@@ -72,6 +72,24 @@ CASES = {
             a, t[:, 0], ids=torch.arange(len(a)) if r == 0 else None, gather=True
         ),
     ),
+    "logit_scale": (
+        "logit_scale",
+        ("20", "14"),
+        lambda r, a, t, m: InfoNCELoss(gather=True)(
+            a, t[:, 0], logit_scale=torch.tensor((20.0, 14.0)[r], dtype=torch.float64)
+        ),
+    ),
+    "siglip logit_bias": (
+        "logit_bias",
+        ("-10", "-5"),
+        lambda r, a, t, m: CF.siglip(
+            a,
+            t[:, 0],
+            logit_scale=torch.tensor(10.0, dtype=torch.float64),
+            logit_bias=torch.tensor((-10.0, -5.0)[r], dtype=torch.float64),
+            gather=True,
+        ),
+    ),
     "module temperature": (
         "temperature",
         ("0.05", "0.07"),
@@ -205,6 +223,19 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     try:
         for case, (_, _, fn) in CASES.items():
             results[case] = _outcome(fn, rank, a, t, m)
+        results["scale vs temperature"] = _outcome(
+            lambda r, a, t, m: CF.info_nce(
+                a,
+                t[:, 0],
+                logit_scale=torch.tensor(10.0, dtype=torch.float64) if r == 0 else None,
+                temperature=0.07 if r == 0 else 0.1,
+                gather=True,
+            ),
+            rank,
+            a,
+            t,
+            m,
+        )
         # The same settings on both ranks still agree (a float temperature of a
         # learnable Module passes through the same exchange).
         results["agree"] = _outcome(CASES["module temperature"][2], 0, a, t, m)
@@ -230,6 +261,17 @@ def test_ranks_that_disagree_on_a_setting_raise_the_same_error_naming_it(results
     message = outcomes[0][2]
     assert message.startswith(f"{setting}: differs across ranks ("), message
     assert f"{v0} on rank 0, {v1} on rank 1" in message, message
+
+
+def test_a_model_scale_on_one_rank_and_a_temperature_on_the_other(results):
+    outcomes = [r["scale vs temperature"] for r in results]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0][:2] == ("error", "ValueError"), outcomes[0]
+    assert outcomes[0][2].startswith("settings: the ranks call different losses or forms"), (
+        outcomes[0]
+    )
+    assert "rank 0: logit_scale," in outcomes[0][2], outcomes[0]
+    assert "rank 1: temperature," in outcomes[0][2], outcomes[0]
 
 
 def test_ranks_with_the_same_settings_agree(results):
