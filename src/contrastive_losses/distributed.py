@@ -179,10 +179,10 @@ def _settings_agree(rows: list[list[int]]) -> bool:
     return True
 
 
-def _settings_message(fingerprints: list[list[tuple[str, str]]]) -> str:
+def _settings_message(fingerprints: list[list[tuple[str, str, str]]]) -> str:
     """The first setting on which the ranks differ, with every rank's value (the same
     text on every rank: it is built from the gathered fingerprints)."""
-    names = [[k for k, _ in f] for f in fingerprints]
+    names = [[entry[0] for entry in f] for f in fingerprints]
     if any(n != names[0] for n in names[1:]):
         listed = "; ".join(f"rank {r}: {', '.join(n) or 'none'}" for r, n in enumerate(names))
         return (
@@ -190,8 +190,10 @@ def _settings_message(fingerprints: list[list[tuple[str, str]]]) -> str:
             "call the same loss with the same settings to gather (every rank raises it)"
         )
     for i, key in enumerate(names[0]):
-        values = [f[i][1] for f in fingerprints]
-        if any(not _same_repr(v, values[0]) for v in values[1:]):
+        full = [f[i][2] for f in fingerprints]
+        if any(not _same_repr(v, full[0]) for v in full[1:]):
+            short = [f[i][1] for f in fingerprints]
+            values = short if len(set(short)) > 1 else full  # 6 digits unless they tie
             each = ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
             return (
                 f"{key}: differs across ranks ({each}); every rank must use the same {key} "
@@ -360,10 +362,10 @@ def _raise_disagreement(
         raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
     settings = [row[3 : 3 + _SETTING * _MAX_SETTINGS] for row in rows]
     if not _settings_agree(settings):
-        mine = [(k, _printed(x)) for k, x in v.fingerprint]
+        mine = [(k, _printed(x), repr(x)) for k, x in v.fingerprint]
         prints: list[object] = [None] * len(rows)
         dist.all_gather_object(prints, mine)
-        raise ValueError(_settings_message(typing.cast(list[list[tuple[str, str]]], prints)))
+        raise ValueError(_settings_message(typing.cast(list[list[tuple[str, str, str]]], prints)))
     slots = [row[3 + _SETTING * _MAX_SETTINGS :] for row in rows]
     mismatch = _disagreement([n for n, _ in v.tensors], slots)
     if mismatch is not None:
