@@ -717,9 +717,9 @@ class SupportVectorRegularizer(nn.Module):
             *args: the base's positional arguments: audio ``(B, D)`` and text ``(B, D)``
                 (InfoNCE, SigLIP; ``ids`` ``(B,)``), text ``(B, K, D)`` (KCL; ``mask``
                 ``(B, K)``), or CACL's triplet or ``(audio, text, other_index)``.
-            logit_scale: the model's exp'd scale :math:`1/	au`, a 0-d tensor: passed to
+            logit_scale: the model's exp'd scale :math:`1/\tau`, a 0-d tensor: passed to
                 the base (which then refuses a learnable temperature of its own) and, detached,
-                the SVR temperature and the predictor's :math:`\cos/	au` (unless this
+                the SVR temperature and the predictor's :math:`\cos/\tau` (unless this
                 regulariser has its own ``temperature``).
             logit_bias: the model's SigLIP bias, a 0-d tensor, passed to a SigLIP base.
             return_terms: also return the detached terms: the base's, and ``base``,
