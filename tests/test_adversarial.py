@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
+import contrastive_losses as cl
 from contrastive_losses import (
     ASKLoss,
     CACLLoss,
@@ -667,3 +669,299 @@ if __name__ == "__main__":
         print(f"{name:45s}", {k: counts[name, k] for k in kinds if counts[name, k]})
     for b in bad:
         print(" | ".join(b))
+
+
+# ------------------------------------------------------------------ issue 22
+# Values never depend on a switch (validate_args, chunk_size); inputs whose logits or
+# gradients overflow are refused by name; the library's messages survive torch.compile
+# and name the argument that is wrong.
+
+
+def _switch_configs() -> dict[str, Callable[..., torch.Tensor]]:
+    """Every loss, dense and tiled: ``f(audio (B, D), text (B, K, D), validate_args)``."""
+
+    def svr(base):
+        torch.manual_seed(0)
+        return SupportVectorRegularizer(base, radius="dynamic")
+
+    out: dict[str, Callable[..., torch.Tensor]] = {}
+    for cs in (None, 2):
+        out[f"info_nce chunk={cs}"] = lambda a, t, v, cs=cs: CF.info_nce(
+            a, t[:, 0], 0.1, chunk_size=cs, validate_args=v
+        )
+        out[f"siglip chunk={cs}"] = lambda a, t, v, cs=cs: CF.siglip(
+            a, t[:, 0], chunk_size=cs, validate_args=v
+        )
+        for neg in ("per_language", "all_languages"):
+            out[f"kcl {neg} chunk={cs}"] = lambda a, t, v, cs=cs, neg=neg: CF.kcl(
+                a, t, 0.1, negatives=neg, chunk_size=cs, validate_args=v
+            )
+        out[f"cacl chunk={cs}"] = lambda a, t, v, cs=cs: CF.cacl(
+            a, t[:, 0], t[:, 1], 0.1, chunk_size=cs, validate_args=v
+        )
+        out[f"support_vector_term chunk={cs}"] = lambda a, t, v, cs=cs: CF.support_vector_term(
+            t[:, 0], a, 0.2, 0.1, chunk_size=cs, validate_args=v
+        )
+        out[f"SVR(KCLLoss) chunk={cs}"] = lambda a, t, v, cs=cs: svr(
+            KCLLoss(chunk_size=cs, validate_args=v)
+        )(a, t)
+        out[f"SVR(InfoNCELoss) chunk={cs}"] = lambda a, t, v, cs=cs: svr(
+            InfoNCELoss(chunk_size=cs, validate_args=v)
+        )(a, t[:, 0])
+    return out
+
+
+def _value_and_grads(fn, a, t, validate):
+    a, t = a.clone().requires_grad_(), t.clone().requires_grad_()
+    loss = fn(a, t, validate)
+    loss.backward()
+    return loss.detach(), a.grad, t.grad
+
+
+def test_issue22_values_do_not_depend_on_validate_args_or_chunk_size():
+    """float32 rows of 1e-30 (valid: the checks accept them) gave NaN with the checks
+    off in 42 of 44 configurations; now every configuration gives the value and the
+    gradient of the same rows at scale 1 (the losses normalise), checks on or off, dense
+    or tiled (the gradient scales by 1e30, the norm's reciprocal)."""
+    a, t = _emb(B, DIM, seed=1), _emb(B, K, DIM, seed=2)
+    configs = _switch_configs()
+    ref = {}
+    for name, fn in configs.items():
+        ref[name] = _value_and_grads(fn, a.double(), t.double(), True)
+        for validate in (True, False):
+            for scale in (1.0, 1e-30):
+                loss, ga, gt = _value_and_grads(fn, a * scale, t * scale, validate)
+                case = f"{name} validate_args={validate} scale={scale:g}"
+                torch.testing.assert_close(
+                    loss.double(), ref[name][0], rtol=1e-5, atol=1e-6, msg=case
+                )
+                for g, g_ref in ((ga, ref[name][1]), (gt, ref[name][2])):
+                    torch.testing.assert_close(
+                        (g * scale).double(), g_ref, rtol=1e-4, atol=1e-5, msg=case
+                    )
+        # float64: the switches agree to 1e-10
+        v64 = _value_and_grads(fn, a.double(), t.double(), False)
+        for x, y in zip(v64, ref[name], strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def _rows(value: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((4, 8), value, dtype=dtype)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2, 3])
+@pytest.mark.parametrize(
+    ("label", "x"),
+    [
+        ("float16 rows of 65504", _rows(65504.0, torch.float16)),
+        ("float32 max", _rows(torch.finfo(torch.float32).max, torch.float32)),
+        ("x 1e30", _emb(4, 8) * 1e30),
+    ],
+)
+def test_issue22_normalize_false_logits_that_overflow_are_refused(label, x, chunk_size):
+    """normalize=False: float16 rows of 65504 gave NaN dense, 4096 and 3840 tiled (the
+    true value is log 4); float32-max and 1e30 rows gave NaN. Refused, naming both."""
+    with pytest.raises(ValueError, match=r"^audio, text: with normalize=False their logits"):
+        CF.info_nce(x, x, 1.0, normalize=False, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=r"^audio, text: with normalize=False"):
+        CF.kcl(x, x[:, None], 1.0, normalize=False, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=r"^audio, text: with normalize=False"):
+        CF.siglip(x, x, 1.0, 0.0, normalize=False, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=r"^audio, english: with normalize=False"):
+        CF.cacl(x, x, x, 1.0, normalize=False, chunk_size=chunk_size)
+    if x.dtype == torch.float16:  # computed in float32 inside, where these logits fit
+        got = CF.support_vector_term(x, x, 0.1, 1.0, normalize=False, chunk_size=chunk_size)
+        want = CF.support_vector_term(x.float(), x.float(), 0.1, 1.0, normalize=False)
+        torch.testing.assert_close(got.float(), want, rtol=1e-3, atol=1e-3)
+        return
+    with pytest.raises(ValueError, match=r"^anchor, candidates: with normalize=False"):
+        CF.support_vector_term(x, x, 0.1, 1.0, normalize=False, chunk_size=chunk_size)
+
+
+def test_issue22_normalize_false_moderate_rows_agree_dense_and_tiled():
+    """Rows whose logits fit (float16, norms near 10 at temperature 1): dense, tiled
+    and float32 agree."""
+    x = (_emb(6, 8) * 3).half()
+    ref = CF.info_nce(x.float(), x.float(), 1.0, normalize=False)
+    for cs in (None, 2, 3):
+        got = CF.info_nce(x, x, 1.0, normalize=False, chunk_size=cs)
+        torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_issue22_half_norm_guards():
+    """A float16 anchor row of 6e-8 gave support_vector_term a NaN gradient (it skipped
+    the float16 norm check); a bfloat16 row of 1e-38 an inf gradient in InfoNCELoss
+    (reduction="none"): the gradient through the normalisation, over the norm, did not
+    fit the dtype. Both refused by name; a row just inside the floor trains finitely."""
+    anchor = _emb(4, 8).half()
+    anchor[1] = 0
+    anchor[1, 0] = 6e-8
+    with pytest.raises(ValueError, match=r"^anchor: embedding at index \(1,\) has L2 norm"):
+        CF.support_vector_term(anchor, _emb(4, 8, seed=3).half(), 0.1, 0.1)
+    audio = _emb(4, 8).bfloat16()
+    audio[1] = 0
+    audio[1, 0] = 1e-38
+    with pytest.raises(ValueError, match=r"^audio: embedding at index \(1,\) has L2 norm"):
+        InfoNCELoss(reduction="none")(audio, _emb(4, 8, seed=3).bfloat16())
+    audio[1, 0] = 1e-36
+    audio.requires_grad_()
+    InfoNCELoss(reduction="none")(audio, _emb(4, 8, seed=3).bfloat16()).sum().backward()
+    assert torch.isfinite(audio.grad).all()
+
+
+def test_issue22_cacl_empty_mask_rows_with_checks_off():
+    """CACLLoss(validate_args=False) with an all-False mask raised torch's "invalid
+    multinomial distribution"; now such a sample draws among the non-English languages
+    (defined, finite), and with the checks on the mask is refused by name."""
+    audio, text = _emb(4, 8), _emb(4, 3, 8, seed=2)
+    empty = torch.zeros(4, 3, dtype=torch.bool)
+    loss = CACLLoss(validate_args=False)(audio, text, mask=empty, generator=_g(0))
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match=r"^mask: sample\(s\) \[0, 1, 2, 3\] have no present"):
+        CACLLoss()(audio, text, mask=empty)
+
+
+def test_issue22_the_wrong_argument_is_named():
+    a, e, o = _emb(4, 8), _emb(4, 8, seed=2), _emb(4, 8, seed=3)
+    with pytest.raises(ValueError, match=r"^english: expected shape \(B, D\)"):
+        CACLLoss()(a, e.reshape(-1), o)
+    with pytest.raises(ValueError, match=r"^similarities: shape \(5, 4\) has B = 5 rows"):
+        RadiusPredictor(4)(torch.randn(5, 4))
+    with pytest.raises(ValueError, match=r"^offset: rows 2..6 exceed the 6 columns"):
+        RadiusPredictor(4)(torch.randn(5, 6), offset=2)
+
+
+# One bad value of each kind a static check catches (with the checks off too).
+_STATIC = ("1-d", "D mismatch", "int64", "unknown", "wrong shape", "int", "short", "float")
+
+
+def _compile_specs() -> dict[str, tuple[Callable[..., Any], Callable[[], dict[str, Any]], dict]]:
+    """Every loss: ``(callable, valid kwargs, {argument: bad values})`` for the compile
+    sweep."""
+    emb2 = _bad_embeddings(_emb(B, DIM))
+    emb3 = _bad_embeddings(_emb(B, K, DIM))
+    red = _bad_strings(("mean", "sum", "none"))
+    pair_bad = {"audio": emb2, "text": emb2}
+
+    def triplet(first: str = "english") -> Callable[[], dict[str, Any]]:
+        return lambda: {
+            "audio": _emb(B, DIM),
+            first: _emb(B, DIM, seed=2),
+            "other": _emb(B, DIM, seed=3),
+        }
+
+    def svt() -> dict[str, Any]:
+        return {"anchor": _emb(B, DIM), "candidates": _emb(B, DIM, seed=2)}
+
+    def ask() -> dict[str, Any]:
+        return {
+            **_pair(),
+            "fine_audio": _emb(B, K, 2, DIM, seed=7),
+            "fine_text": _emb(B, K, 2, DIM, seed=8),
+        }
+
+    def svr_module() -> SupportVectorRegularizer:
+        torch.manual_seed(0)
+        return SupportVectorRegularizer(InfoNCELoss(), radius="dynamic")
+
+    mask = _bad_mask((B, K))
+    cacl_bad = {"audio": emb2, "english": emb2, "other": emb2}
+    return {
+        "info_nce": (CF.info_nce, _pair, {**pair_bad, "reduction": red, "ids": _bad_ids(B)}),
+        "siglip": (CF.siglip, _pair, {**pair_bad, "reduction": red}),
+        "kcl": (
+            CF.kcl,
+            _multi,
+            {"audio": emb2, "text": emb3, "mask": mask, "negatives": _bad_strings(("a",))},
+        ),
+        "cacl": (CF.cacl, triplet(), {**cacl_bad, "reduction": red}),
+        "support_vector_term": (CF.support_vector_term, svt, {"anchor": emb2, "candidates": emb2}),
+        "ask": (CF.ask, ask, pair_bad),
+        "InfoNCELoss": (InfoNCELoss(), _pair, pair_bad),
+        "SigLIPLoss": (SigLIPLoss(), _pair, pair_bad),
+        "KCLLoss": (KCLLoss(), _multi, {"audio": emb2, "text": emb3, "mask": mask}),
+        "CACLLoss": (
+            CACLLoss(),
+            triplet("english_or_text"),
+            {"audio": emb2, "english_or_text": emb2, "other": emb2},
+        ),
+        "SupportVectorRegularizer": (svr_module(), _pair, pair_bad),
+        "RadiusPredictor": (
+            RadiusPredictor(4),
+            lambda: {"similarities": _emb(B, B)},
+            {"similarities": emb2},
+        ),
+    }
+
+
+def _raised(fn: Callable[..., Any], kwargs: dict[str, Any]) -> BaseException | None:
+    try:
+        fn(**kwargs)
+    except Exception as err:  # the point is to see what comes out
+        return err
+    return None
+
+
+@pytest.mark.slow
+def test_issue22_static_errors_survive_torch_compile():
+    """Every loss and argument, one bad value of each kind a static check catches (the
+    checks that run with validate_args off and under compile): compiled with
+    ``fullgraph=True`` dynamo reports any exception leaving the graph as ``Unsupported``
+    ("Observed exception"), and its message must carry the library's own text, the same
+    as eager (the argument named included). Before, a shape formatted with ``str()``
+    failed to trace ("Failed to trace builtin operator str") and the text was lost.
+    (Without ``fullgraph`` dynamo falls back to eager there: the library's error itself,
+    see the next test.)"""
+    import torch._dynamo
+
+    seen = 0
+    cl.set_default_validate_args(False)
+    try:
+        for name, (fn, base, bad) in _compile_specs().items():
+            for arg, values in bad.items():
+                for label in _STATIC:
+                    if label not in values:
+                        continue
+                    kwargs = base()
+                    kwargs[arg] = values[label]
+                    eager = _raised(fn, kwargs)
+                    if not isinstance(eager, (ValueError, TypeError)):
+                        continue  # valid, or caught by a value check only
+                    seen += 1
+                    torch._dynamo.reset()
+                    err = _raised(torch.compile(fn, backend="eager", fullgraph=True), kwargs)
+                    case = f"{name}({arg}={label}): eager {eager!r}, compiled {err!r}"
+                    assert err is not None, case
+                    if type(err) is not type(eager):
+                        assert type(err).__name__ == "Unsupported", case
+                    text = str(err)
+                    assert str(eager) in text or repr(str(eager))[1:-1] in text, case
+    finally:
+        cl.set_default_validate_args(True)
+        torch._dynamo.reset()
+    assert seen >= 60, seen
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_issue22_a_bad_shape_after_a_good_compiled_call(fullgraph):
+    """The recompile for a new shape used to lose the message (``str`` of a symbolic
+    size); ``siglip(..., reduction="avg")`` gave "Observed exception" alone."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(CF.info_nce, backend="eager", fullgraph=fullgraph)
+        fn(_emb(4, 8), _emb(4, 8, seed=2))
+        want = r"text: embedding dim D 6 does not match audio's 8"
+        with pytest.raises(Exception, match=want) as info:
+            fn(_emb(4, 8), _emb(4, 6, seed=2))
+        assert fullgraph or info.type is ValueError
+        fn = torch.compile(KCLLoss(), backend="eager", fullgraph=fullgraph)
+        fn(_emb(4, 8), _emb(4, 2, 8, seed=2))
+        with pytest.raises(Exception, match=r"text: expected shape \(B, K, D\), got 2-d"):
+            fn(_emb(5, 8), _emb(5, 8, seed=2))
+        fn = torch.compile(CF.siglip, backend="eager", fullgraph=fullgraph)
+        with pytest.raises(Exception, match=r"reduction: expected one of \['mean', 'sum'"):
+            fn(_emb(4, 8), _emb(4, 8, seed=2), reduction="avg")
+    finally:
+        torch._dynamo.reset()

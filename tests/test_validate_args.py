@@ -26,6 +26,7 @@ from contrastive_losses import (
     RadiusPredictor,
     SigLIPLoss,
     SupportVectorRegularizer,
+    distributed,
 )
 from contrastive_losses import functional as CF
 from contrastive_losses.distributed import validate_together
@@ -277,24 +278,36 @@ def test_svr_training_warnings_need_the_checks() -> None:
     assert run(False) == []
 
 
-def test_validate_together_adds_no_collective_without_checks(monkeypatch) -> None:
-    """Under gather with the checks off, validate_together neither gathers the flags nor
-    re-raises on every rank: an error is this rank's own."""
-    calls: list[str] = []
+def test_validate_together_without_checks_sends_a_zero_header_and_reads_nothing(
+    monkeypatch,
+) -> None:
+    """Under gather with the checks off, validate_together sends this rank's header (all
+    zeros: "no checks here") in the one exchange every rank makes, so a peer that checks
+    is not paired with this rank's first gather (issue 22); it reads nothing back (no
+    host sync), records no setting (no value read) and does not re-raise on every rank:
+    an error is this rank's own."""
+    sent: list[torch.Tensor] = []
+
+    def exchange(header: torch.Tensor) -> torch.Tensor:
+        sent.append(header.clone())
+        return torch.zeros(2, header.numel(), dtype=torch.long)  # a peer without checks
+
     monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
-    monkeypatch.setattr(dist, "all_gather", lambda *a, **k: calls.append("all_gather"))
+    monkeypatch.setattr(distributed, "_exchange_header", exchange)
     with validate_together(True, torch.zeros(2), validate=False) as v:
         assert v.min_batch == 0
+        v.settings(temperature=torch.tensor(0.1))
+        assert v.fingerprint == []
     with pytest.raises(ValueError, match=r"^local$"):
         with validate_together(True, torch.zeros(2), validate=False):
             raise ValueError("local")
-    assert calls == []
-    # With the checks the flags are gathered (the stub leaves them zero: no batch anywhere).
-    with pytest.raises(ValueError, match="global batch size 0"):
+    assert len(sent) == 2 and not any(bool(h.any()) for h in sent)
+    # With the checks the header says so; the stub's peer sent zeros: a rank without them.
+    with pytest.raises(ValueError, match=r"^validate_args: the value checks run on some ranks"):
         with validate_together(True, torch.zeros(2)) as v:
             v.batch = 2
-    assert calls == ["all_gather"]
+    assert sent[-1][:3].tolist() == [1, 0, 2]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

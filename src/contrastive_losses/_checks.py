@@ -23,6 +23,12 @@ from torch import Tensor
 
 REDUCTIONS = ("mean", "sum", "none")
 
+# The gradient through x / ||x|| is the upstream gradient divided by ||x||: norms below
+# NORM_HEADROOM / max of the dtype are refused, so an upstream gradient up to 16 per
+# entry stays finite (bfloat16 rows of norm 1e-38 gave inf). float16: 2.4e-4; bfloat16 and
+# float32: 4.7e-38.
+NORM_HEADROOM = 16.0
+
 _default_validate_args = True
 
 
@@ -60,8 +66,18 @@ def resolve_validate(validate_args: bool | None) -> bool:
     return validate and not torch.compiler.is_compiling()
 
 
+def shape_of(x: Tensor) -> str:
+    """``x``'s shape as Python prints a tuple (``(4, 6)``, ``(6,)``), for error messages.
+    Each size goes through an f-string, not ``str()`` or a tuple: torch.compile traces
+    f-string formatting of a symbolic size (and prints its value), but not ``str()`` of
+    one, and prints a tuple's as ``s94``; so a message survives the recompile for a new
+    shape."""
+    return "(" + ", ".join(f"{s}" for s in x.shape) + ("," if x.dim() == 1 else "") + ")"
+
+
 def _shape(x: Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in x.shape) + ")"
+    """``x``'s shape as ``(4, 6)`` or ``(6)``; traceable as :func:`shape_of`."""
+    return "(" + ", ".join(f"{s}" for s in x.shape) + ")"
 
 
 def check_tensor(x: object, name: str) -> Tensor:
@@ -111,6 +127,22 @@ def stable_row_norms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(scaled, dim=-1) * peak.squeeze(-1)
 
 
+def exact_row_norms(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """L2 norms of ``x``'s rows (last dim) in ``x``'s dtype, detached, without a host
+    sync and without the under- or overflow of the squares that a plain
+    ``vector_norm`` has (float32 rows of ``1e-30`` have norm 0 there): the squares are
+    summed in float64 (float16, bfloat16 and float32 squares all fit it), float64 rows
+    are divided by their largest magnitude first. So the checks on and off see the same
+    norms, and turning them off never changes a valid input's value. ``dtype``: that of
+    the result (``x``'s by default; float64 holds every norm)."""
+    xd = x.detach()
+    if x.dtype == torch.float64:
+        scaled, peak = peak_scaled_rows(xd)
+        return torch.linalg.vector_norm(scaled, dim=-1) * peak.squeeze(-1)
+    norms = torch.linalg.vector_norm(xd, dim=-1, dtype=torch.float64)
+    return norms.to(dtype or x.dtype)
+
+
 def peak_scaled_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """``x``'s rows (last dim) divided by their largest magnitude, and that magnitude
     ``(..., 1)`` (1 for all-zero rows): entries in ``[-1, 1]`` whose squares and products
@@ -158,11 +190,16 @@ def row_norms(
     The second value is True when every norm lies in ``[sqrt(tiny), sqrt(max)]``, where
     ``1/norm**2`` and ``x @ y.T`` for unit ``y`` are finite too (fused fast paths need it).
 
-    Without ``validate`` nothing is read back (no host sync): the fast norms are returned
+    The norms are :func:`exact_row_norms`, checks on or off. A norm below
+    ``NORM_HEADROOM / max`` is refused as well: the gradient through the normalisation is
+    the upstream gradient over the norm, and must fit the dtype (bfloat16 rows of norm
+    ``1e-38`` gave an infinite gradient).
+
+    Without ``validate`` nothing is read back (no host sync): the norms are returned
     as they are and taken to be moderate.
     """
     check_materialised(x, name)
-    norms = torch.linalg.vector_norm(x.detach(), dim=-1)
+    norms = exact_row_norms(x)
     if not validate:
         if mask is not None and nonzero:
             norms = norms.masked_fill(norms == 0, 1)
@@ -177,9 +214,10 @@ def row_norms(
     if bool(ok.all()):
         return (norms if mask is None or not nonzero else norms.masked_fill(norms == 0, 1)), True
     check_finite(x, name)
-    norms = stable_row_norms(x)
     if not nonzero:
-        return norms.to(x.dtype), False
+        return norms, False
+    norms = norms.float() if x.dtype != torch.float64 else norms  # inf in float16 is > max
+    norms = torch.where(norms.isinf(), stable_row_norms(x), norms)
     zero = norms == 0
     if mask is not None:
         norms = torch.where(zero & ~mask, torch.ones_like(norms), norms)
@@ -189,7 +227,7 @@ def row_norms(
             f"{name}: embedding at index {_index(zero)} is all zeros; it has no direction "
             "to normalise (check the encoder output, or mark padded rows absent in mask)"
         )
-    lo, hi = 1.0 / fi.max, fi.max
+    lo, hi = NORM_HEADROOM / fi.max, fi.max
     bad = (norms < lo) | (norms > hi)
     if bool(bad.any()):
         idx = _index(bad)
@@ -352,7 +390,7 @@ def check_mask(
     (that last part a value check, with ``validate`` only)."""
     mask = check_tensor(mask, name)
     if tuple(mask.shape) != tuple(shape):
-        want = "(" + ", ".join(str(s) for s in shape) + ")"
+        want = "(" + ", ".join(f"{s}" for s in shape) + ")"
         raise ValueError(f"{name}: expected shape {want}, got {_shape(mask)}")
     if mask.dtype != torch.bool:
         raise TypeError(f"{name}: expected a bool tensor, got dtype {mask.dtype}")

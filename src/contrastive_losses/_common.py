@@ -78,7 +78,7 @@ def _check_logit_scale(
         )
     if logit_scale.dim() != 0:
         raise ValueError(
-            f"{name}: expected a 0-d tensor, got shape {tuple(logit_scale.shape)}; "
+            f"{name}: expected a 0-d tensor, got shape {_checks.shape_of(logit_scale)}; "
             "one scale for the whole batch"
         )
     _checks.check_float(logit_scale, name)
@@ -117,6 +117,14 @@ def _resolve_temperature(
     return _check_logit_scale(logit_scale, ref, validate).reciprocal()
 
 
+def _scale_setting(temperature: float | Tensor, logit_scale: Tensor | None) -> dict[str, object]:
+    """The fingerprint entry of a call's scale (ranks must agree on it under gather):
+    ``logit_scale`` when the model's scale is given, else ``temperature``."""
+    if logit_scale is None:
+        return {"temperature": temperature}
+    return {"logit_scale": logit_scale}
+
+
 def _embeddings(
     x: object, name: str, dims: str, normalize: bool, min_batch: int = 2, validate: bool = True
 ) -> Tensor:
@@ -129,6 +137,40 @@ def _embeddings(
         return x
     norms = _checks.check_row_norms(x, name, nonzero=normalize, validate=validate)
     return l2_normalize(x, norms) if normalize else x
+
+
+def _logit_range(
+    pairs: list[tuple[Tensor, str, Tensor, str]],
+    normalize: bool,
+    validate: bool,
+    *,
+    temperature: float | Tensor = 1.0,
+    scale: float | Tensor = 1.0,
+    shift: float | Tensor = 0.0,
+    radius: float = 0.0,
+) -> None:
+    """With ``normalize=False`` (and ``validate``) refuse embeddings whose logits could
+    overflow: with ``scale`` for ``scale / temperature``,
+    ``|<x_i, y_j>| * scale + |shift| <= ||x_i|| ||y_j|| * scale + |shift|``
+    (Cauchy-Schwarz; ``radius`` lengthens ``x``'s rows, SVR's support vectors) must stay
+    below a quarter of the dtype's max, where the log-sum-exp minus the positive, up to
+    twice a logit, is still finite. Beyond it the dense and tiled paths gave different
+    wrong values (float16 rows of 65504: NaN dense, 4096 and 3840 tiled; true log 4)."""
+    if normalize or not validate:
+        return
+    for x, x_name, y, y_name in pairs:
+        hi = float(_checks.exact_row_norms(x, torch.float64).amax()) + abs(radius)
+        hi *= float(_checks.exact_row_norms(y, torch.float64).amax())
+        hi *= float(scale) / float(temperature)
+        hi += abs(float(shift))
+        limit = torch.finfo(x.dtype).max / 4
+        if not hi <= limit:  # True for NaN too
+            raise ValueError(
+                f"{x_name}, {y_name}: with normalize=False their logits can reach {hi:.3g} "
+                f"(max ||{x_name}|| * max ||{y_name}|| times the logit scale), beyond "
+                f"{limit:.3g} (a quarter of {x.dtype}'s max) where the loss overflows; "
+                "normalize the embeddings, scale them down or use a wider dtype"
+            )
 
 
 def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
@@ -429,7 +471,7 @@ def _radius_tensor(radius: object, b: int, ref: Tensor, validate: bool = True) -
         if radius.dim() > 1 or (radius.dim() == 1 and radius.shape[0] != b):
             raise ValueError(
                 f"radius: expected a float, a 0-d tensor or shape ({b},) matching the "
-                f"anchors, got shape {tuple(radius.shape)}"
+                f"anchors, got shape {_checks.shape_of(radius)}"
             )
         _checks.check_float(radius, "radius")
         _checks.check_materialised(radius, "radius")
@@ -450,7 +492,9 @@ def _check_row_mask(mask: object, b: int, ref: Tensor) -> Tensor:
     """Bool ``(B,)`` row mask on ``ref``'s device."""
     mask = _checks.check_tensor(mask, "mask")
     if mask.dim() != 1 or mask.shape[0] != b:
-        raise ValueError(f"mask: expected shape ({b},) matching the batch, got {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask: expected shape ({b},) matching the batch, got {_checks.shape_of(mask)}"
+        )
     if mask.dtype != torch.bool:
         raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
     if mask.device != ref.device:

@@ -52,7 +52,7 @@ def l2_normalize(x: Tensor, norms: Tensor | None = None) -> Tensor:
         x = _checks.check_tensor(x, "x")
         _checks.check_float(x, "x")
         if x.dim() == 0 or x.shape[-1] == 0:
-            raise ValueError(f"x: expected shape (..., D) with D > 0, got {tuple(x.shape)}")
+            raise ValueError(f"x: expected shape (..., D) with D > 0, got {_checks.shape_of(x)}")
         norms = _checks.check_row_norms(x, "x")
     return _L2Normalize.apply(x, 1.0 / norms)
 
@@ -74,11 +74,13 @@ class _NormalizedRowsMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, Tensor]:
         x, inv_norm, y, scores = ctx.saved_tensors
-        grad_scaled = grad * inv_norm.unsqueeze(-1)  # (M, N)
-        # d/dx_i of <x_i, y_j>/||x_i||: y_j/||x_i|| - s_ij x_i/||x_i||^2
-        radial = (grad * scores).sum(dim=-1) * inv_norm.square()  # (M,)
-        grad_x = torch.addcmul(grad_scaled @ y, x, radial.unsqueeze(-1), value=-1)
-        return grad_x, None, grad_scaled.T @ x
+        inv = inv_norm.unsqueeze(-1)
+        # d/dx_i of <x_i, y_j>/||x_i||: (y_j - s_ij x_i/||x_i||) / ||x_i||, with
+        # 1/||x_i|| applied once at the end: 1/||x_i||^2 overflows float32 for norms
+        # below 1e-19, which are valid (and normalised exactly) input.
+        radial = (grad * scores).sum(dim=-1, keepdim=True) * inv  # (M, 1)
+        grad_x = torch.addcmul(grad @ y, x, radial, value=-1).mul_(inv)
+        return grad_x, None, (grad * inv).T @ x
 
 
 def _per_language_ce(

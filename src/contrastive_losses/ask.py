@@ -549,6 +549,24 @@ def ask(
     return loss, _ask_terms(ce, potential, per_dir, modulation, entropy, zero)
 
 
+# The ASKLoss attributes that must be the same on every rank under gather.
+_AGREED = (
+    "k",
+    "k_coarse",
+    "use_coarse",
+    "injection_ratio",
+    "ot_weight",
+    "lambda_fine",
+    "lambda_coarse",
+    "epsilon",
+    "temperature",
+    "sinkhorn_iters",
+    "detach_plan",
+    "normalize",
+    "reduction",
+)
+
+
 class ASKLoss(nn.Module):
     r"""ASK loss with retrieval from a :class:`~contrastive_losses.bank.KnowledgeBank`.
 
@@ -771,6 +789,8 @@ class ASKLoss(nn.Module):
             knowledge: dict[str, Any] = self.retrieve(audio, text, ids)
             v.batch = audio.shape[0]
             v.agree(audio=audio, text=text)
+            model_scale = {} if logit_scale is None else {"logit_scale": logit_scale}
+            v.settings(**{k: getattr(self, k) for k in _AGREED}, **model_scale)
         b, offset = audio.shape[0], 0
         if enabled:
             # Sinkhorn couples every pair of the batch, so each rank evaluates the loss of

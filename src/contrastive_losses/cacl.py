@@ -21,8 +21,10 @@ from ._common import (
     _embeddings,
     _finish,
     _info_nce_rows,
+    _logit_range,
     _reduce,
     _resolve_temperature,
+    _scale_setting,
     _TemperatureMixin,
 )
 from .distributed import resolve_gather, validate_together
@@ -97,8 +99,16 @@ def cacl(
         o = _embeddings(other, "other", "(B, D)", normalize, v.min_batch, validate)
         _check_pair(a, "audio", e, "english")
         _check_pair(a, "audio", o, "other")
+        pairs = [(a, "audio", e, "english"), (a, "audio", o, "other"), (e, "english", o, "other")]
+        _logit_range(pairs, normalize, validate, temperature=temperature)
         v.batch = a.shape[0]
         v.agree(audio=a, english=e, other=o)
+        v.settings(
+            **_scale_setting(temperature, logit_scale),
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+        )
     per_sample: list[Tensor] = []
     terms: Terms = {}
     batch = _batch(0, a.shape[0], False)
@@ -164,14 +174,16 @@ def _sample_languages(
     validate: bool,
 ) -> Tensor:
     """:func:`sample_languages`; the check for samples with nothing to draw (a host sync)
-    with ``validate`` only."""
+    with ``validate`` only. Without it such a sample draws uniformly among the languages
+    it may draw (all but English for CACL), as if every caption were present: a defined
+    draw, where ``torch.multinomial`` would raise its own error (or, on CUDA, assert)."""
     if isinstance(mask_or_num_languages, Tensor):
         mask = _checks.check_tensor(mask_or_num_languages, "mask_or_num_languages")
         _checks.check_materialised(mask, "mask_or_num_languages")
         if mask.dim() != 2 or mask.dtype != torch.bool:
             raise ValueError(
                 "mask_or_num_languages: expected a bool (B, K) mask, got "
-                f"dtype {mask.dtype} shape {tuple(mask.shape)}"
+                f"dtype {mask.dtype} shape {_checks.shape_of(mask)}"
             )
         if batch_size is not None and batch_size != mask.shape[0]:
             raise ValueError(f"batch_size: {batch_size} does not match the mask's {mask.shape[0]}")
@@ -189,14 +201,21 @@ def _sample_languages(
     _checks.check_int(english_index, "english_index", 0)
     if not 0 <= english_index < k_langs:
         raise ValueError(f"english_index: {english_index} is outside [0, {k_langs})")
+    if not include_english and k_langs < 2:
+        raise ValueError(
+            f"mask_or_num_languages: K = {k_langs} language leaves no non-English caption to draw"
+        )
     weights = mask.to(torch.float32)
+    allowed = torch.ones_like(weights)
     if not include_english:
         weights[:, english_index] = 0
+        allowed[:, english_index] = 0
     empty = weights.sum(dim=1) == 0
     if validate and bool(empty.any()):
         rows = torch.nonzero(empty).flatten().tolist()[:10]
         what = "caption" if include_english else "non-English caption"
         raise ValueError(f"mask_or_num_languages: sample(s) {rows} have no {what} to draw")
+    weights = torch.where(empty[:, None], allowed, weights)  # no sync: see the docstring
     return torch.multinomial(weights, 1, generator=generator).squeeze(1)
 
 
@@ -228,7 +247,9 @@ class CACLLoss(_TemperatureMixin):
         english_index: column of English in ``text`` (default 0).
         normalize, reduction, gather, chunk_size, validate_args: as in
             :class:`InfoNCELoss`; without value checks ``other_index`` is not checked
-            against the languages and the mask (an index out of range fails in indexing).
+            against the languages and the mask (an index out of range fails in indexing),
+            and a sample whose mask row has no non-English caption draws among all the
+            non-English languages (with the checks on it is refused).
 
     Shape:
         ``forward(audio (B, D), english (B, D), other (B, D))`` or
@@ -275,6 +296,14 @@ class CACLLoss(_TemperatureMixin):
         In the ``(B, K, D)`` form errors about the captions name ``text`` (the English and
         drawn columns are checked here, so :func:`cacl` never reports them as
         ``english``/``other``)."""
+        if (
+            isinstance(other, Tensor)
+            and other.dim() == 2
+            and not (isinstance(english_or_text, Tensor) and english_or_text.dim() == 3)
+        ):
+            # (B, D) other captions: the triplet form, whose checks (in cacl) name english
+            # when it is not (B, D) either.
+            return audio, english_or_text, other
         if isinstance(english_or_text, Tensor) and english_or_text.dim() == 2:
             if other is None or not isinstance(other, Tensor) or other.dim() != 2:
                 raise ValueError(
@@ -304,16 +333,16 @@ class CACLLoss(_TemperatureMixin):
             _checks.check_same_device_dtype([(a, "audio"), (text, "text")])
             b, k_langs = text.shape[:2]
             if k_langs == 0:
-                raise ValueError(f"text: K = 0 languages (shape {tuple(text.shape)})")
+                raise ValueError(f"text: K = 0 languages (shape {_checks.shape_of(text)})")
             if self.english_index >= k_langs:
                 raise ValueError(
                     f"english_index: {self.english_index} is outside the K = {k_langs} languages "
-                    f"of text (shape {tuple(text.shape)})"
+                    f"of text (shape {_checks.shape_of(text)})"
                 )
             if isinstance(mask, Tensor) and tuple(mask.shape) != (b, k_langs):
                 raise ValueError(
-                    f"text, mask: text has shape {tuple(text.shape)} (B, K, D) but mask "
-                    f"{tuple(mask.shape)}; the mask must be (B, K)"
+                    f"text, mask: text has shape {_checks.shape_of(text)} (B, K, D) but mask "
+                    f"{_checks.shape_of(mask)}; the mask must be (B, K)"
                 )
             if mask is not None:
                 mask = _checks.check_mask(mask, "mask", (b, k_langs), text, validate=validate)

@@ -238,7 +238,8 @@ def trajectory_drift(update: Tensor, pull: Tensor, *, eps: float = 1e-12) -> Ten
     _checks.check_float(pull, "pull")
     if update.dim() < 1 or update.shape != pull.shape:
         raise ValueError(
-            f"pull: shape {tuple(pull.shape)} does not match update's {tuple(update.shape)}"
+            f"pull: shape {_checks.shape_of(pull)} does not match update's "
+            f"{_checks.shape_of(update)}"
         )
     _checks.check_same_device_dtype([(update, "update"), (pull, "pull")])
     _checks.check_finite(update, "update")

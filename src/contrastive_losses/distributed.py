@@ -8,6 +8,14 @@ sizes is a small collective and a host sync; with the losses' value checks off
 (``validate_args=False``, or under ``torch.compile``) it is skipped and every rank must
 hold the same batch size.
 
+Rank agreement: before the first gather of a call, every rank shares one fixed-length
+header (:func:`validate_together`): whether its checks run, whether they failed, its batch
+size, a fingerprint of the loss's settings (temperature, reduction, ``chunk_size``, ...)
+and the dtype and trailing shape of what it will gather. Ranks whose checks run compare
+the headers and raise one clear error together; a rank with the checks off sends its
+header (zeros, made on the device) without reading anything back, so the collectives stay
+paired whatever each rank's ``validate_args`` and no host sync is added there.
+
 The returned loss on each rank is scaled so that the *average over ranks* — what
 ``DistributedDataParallel`` does to gradients — equals the single-process loss on the
 concatenated batch, and its gradient equals the single-process gradient.
@@ -15,6 +23,8 @@ concatenated batch, and its gradient equals the single-process gradient.
 
 from __future__ import annotations
 
+import math
+import struct
 import typing
 import zlib
 from collections.abc import Iterator
@@ -59,6 +69,11 @@ def resolve_gather(gather: bool | None) -> bool:
 _MAX_AGREE = 4  # tensors per block
 _MAX_TRAILING = 4  # dims after the batch dim; (B, K, 2, D) knowledge has 3
 _SLOT = 2 + _MAX_TRAILING  # [dtype code, ndim, *dims, zero padding]
+_MAX_SETTINGS = 16  # settings per call in the fingerprint
+_SETTING = 3  # [crc32 of the name, type tag, value code]
+# [checks on, failed, batch, *settings, *tensor slots]
+_HEADER = 3 + _SETTING * _MAX_SETTINGS + _SLOT * _MAX_AGREE
+_FLOAT_TAG = 3
 _DTYPES = {
     zlib.crc32(str(d).encode()): d
     for d in (getattr(torch, n) for n in dir(torch))
@@ -81,6 +96,25 @@ class Validation:
     min_batch: int
     batch: int = 0
     tensors: list[tuple[str, Tensor]] = field(default_factory=list)
+    fingerprint: list[tuple[str, object]] = field(default_factory=list)
+    active: bool = False  # the ranks check together: settings are recorded
+
+    def settings(self, **values: object) -> None:
+        """Settings (``name=value``) that must be the same on every rank: floats and 0-d
+        tensors (compared to a relative ``1e-6``), ints, bools, strings and ``None``.
+        Under gather with the checks on, ranks that differ raise one ``ValueError``
+        naming the setting and every rank's value (a temperature of 0.05 on one rank and
+        0.07 on another would give each rank another loss; a ``chunk_size`` of ``None``
+        on one and 2 on another would pair different collectives, a gloo abort). Nothing
+        is recorded (no value read) unless the ranks check together."""
+        if not self.active:
+            return
+        for key, value in values.items():
+            if isinstance(value, Tensor):  # a 0-d temperature, scale, radius: checks are on
+                value = float(value.detach()) if value.numel() == 1 else tuple(value.shape)
+            self.fingerprint.append((key, value))
+        if len(self.fingerprint) > _MAX_SETTINGS:
+            raise RuntimeError(f"validate_together: at most {_MAX_SETTINGS} settings")
 
     def agree(self, **tensors: Tensor) -> None:
         """Tensors (``name=tensor``) whose dtype and trailing shape (every dim after the
@@ -91,6 +125,12 @@ class Validation:
         if len(self.tensors) > _MAX_AGREE:
             raise RuntimeError(f"validate_together: at most {_MAX_AGREE} tensors can agree")
 
+    def _encoded_settings(self) -> list[int]:
+        out = [0] * (_SETTING * _MAX_SETTINGS)
+        for i, (key, value) in enumerate(self.fingerprint):
+            out[i * _SETTING : (i + 1) * _SETTING] = [_crc(key), *_setting_code(value)]
+        return out
+
     def _encoded(self) -> list[int]:
         out = [0] * (_SLOT * _MAX_AGREE)
         for i, (_, x) in enumerate(self.tensors):
@@ -100,6 +140,81 @@ class Validation:
             slot = [_dtype_code(x.dtype), len(dims), *dims]
             out[i * _SLOT : i * _SLOT + len(slot)] = slot
         return out
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _setting_code(value: object) -> tuple[int, int]:
+    """``(type tag, value)`` of a setting as two int64s, the same in every process."""
+    if value is None:
+        return 0, 0
+    if isinstance(value, bool):
+        return 1, int(value)
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
+        return 2, value
+    if isinstance(value, float):
+        return _FLOAT_TAG, struct.unpack("<q", struct.pack("<d", value))[0]
+    return 4, _crc(repr(value))
+
+
+def _float_of(code: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", code))[0])
+
+
+def _settings_agree(rows: list[list[int]]) -> bool:
+    """Every rank sent the same settings; floats equal to a relative ``1e-6``."""
+    first = rows[0]
+    for row in rows[1:]:
+        for i in range(0, _SETTING * _MAX_SETTINGS, _SETTING):
+            mine, theirs = first[i : i + _SETTING], row[i : i + _SETTING]
+            if mine == theirs:
+                continue
+            same_float = mine[:2] == theirs[:2] and mine[1] == _FLOAT_TAG
+            if not (
+                same_float and math.isclose(_float_of(mine[2]), _float_of(theirs[2]), rel_tol=1e-6)
+            ):
+                return False
+    return True
+
+
+def _settings_message(fingerprints: list[list[tuple[str, str, str]]]) -> str:
+    """The first setting on which the ranks differ, with every rank's value (the same
+    text on every rank: it is built from the gathered fingerprints)."""
+    names = [[entry[0] for entry in f] for f in fingerprints]
+    if any(n != names[0] for n in names[1:]):
+        listed = "; ".join(f"rank {r}: {', '.join(n) or 'none'}" for r, n in enumerate(names))
+        return (
+            f"settings: the ranks call different losses or forms ({listed}); every rank must "
+            "call the same loss with the same settings to gather (every rank raises it)"
+        )
+    for i, key in enumerate(names[0]):
+        full = [f[i][2] for f in fingerprints]
+        if any(not _same_repr(v, full[0]) for v in full[1:]):
+            short = [f[i][1] for f in fingerprints]
+            values = short if len(set(short)) > 1 else full  # 6 digits unless they tie
+            each = ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
+            return (
+                f"{key}: differs across ranks ({each}); every rank must use the same {key} "
+                "to gather, or the ranks compute different losses (every rank raises it)"
+            )
+    return "settings: the ranks' settings differ (every rank raises it)"
+
+
+def _printed(value: object) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _same_repr(a: str, b: str) -> bool:
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-6)
+    except ValueError:
+        return a == b
 
 
 def _slot_values(row: list[int], i: int) -> tuple[str, str]:
@@ -145,62 +260,120 @@ def validate_together(
     gather a check that fails on one rank only would leave the other ranks waiting in the
     first collective forever (a hang, not an error). So the checks run with no local
     minimum (a rank may even hold no sample), and on leaving the block every rank shares,
-    in one small ``all_gather``, whether its checks failed, its batch size and the dtype
-    and trailing shape of the tensors registered with :meth:`Validation.agree`: if any
-    rank failed, every rank raises that rank's error (the lowest failing rank's, same type
-    and message everywhere); if the ranks disagree on a registered tensor's dtype or its
-    sizes after the batch dim (``D = 8`` on one rank, ``16`` on another: the gather would
-    abort a rank) every rank raises a ``ValueError`` naming it and both values; if the
-    *global* batch is below ``min_global`` every rank raises a ``ValueError`` naming
-    ``name``. Splits 1 + 6 and 0 + 2 are legal, 1 + 0 is not.
+    in one small ``all_gather`` of a fixed-length header, whether its checks ran and
+    failed, its batch size, the settings registered with :meth:`Validation.settings` and
+    the dtype and trailing shape of the tensors registered with :meth:`Validation.agree`:
+
+    * if any rank failed, every rank raises that rank's error (the lowest failing rank's,
+      same type and message everywhere);
+    * if the ranks disagree on a setting (``temperature`` 0.05 and 0.07, ``reduction``,
+      ``chunk_size`` ``None`` and 2, ...) every rank raises a ``ValueError`` naming it and
+      each rank's value;
+    * if they disagree on a registered tensor's dtype or its sizes after the batch dim
+      (``D = 8`` on one rank, ``16`` on another: the gather would abort a rank) every
+      rank raises a ``ValueError`` naming it and both values;
+    * if the *global* batch is below ``min_global`` every rank raises a ``ValueError``
+      naming ``name``. Splits 1 + 6 and 0 + 2 are legal, 1 + 0 is not.
 
     ``ref`` is the first input; its device carries the collective (CPU when it is not a
     tensor; the current CUDA device under NCCL).
 
-    With ``validate`` False (``validate_args=False``, or under ``torch.compile``) there is
-    no collective and no host sync: a check that fails on one rank raises there alone
-    (its peers then wait in the next collective: a hang), and the global batch size is
-    not checked.
+    With ``validate`` False (``validate_args=False``, or under ``torch.compile``) the
+    block's checks are the static ones and nothing is read back (no host sync), but under
+    gather the rank still sends its header, all zeros, made on the device: the ranks
+    whose checks run then see a rank without them and raise a ``ValueError`` naming
+    ``validate_args`` and each rank's value, instead of pairing their header with that
+    rank's first gather (a gloo abort of both processes). The rank without checks cannot
+    learn of it without a sync: it goes on into its gather and waits there until the
+    raising ranks' processes end (gloo then raises a connection error) or the process
+    group times out. With the checks off on every rank a check that fails on one rank
+    raises there alone (its peers wait in the next collective), and neither the
+    settings, the shapes nor the global batch size are compared.
     """
     v = Validation(min_batch=0 if enabled else min_global)
-    if not enabled or not validate:
+    if not enabled:
         yield v
         return
-    error: Exception | None = None
-    try:
-        yield v
-    except Exception as err:  # re-raised below, on every rank
-        error = err
     if dist.get_backend() == "nccl":  # NCCL only moves CUDA tensors, whatever ref is
         device = torch.device("cuda", torch.cuda.current_device())
     elif isinstance(ref, Tensor) and ref.device.type != "meta":
         device = ref.device
     else:
         device = torch.device("cpu")
-    shared = [int(error is not None), v.batch]
+    if not validate:
+        try:
+            yield v
+        finally:  # sent even when a check fails here: the collectives stay paired
+            _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
+        return
+    v.active = True
+    error: Exception | None = None
+    try:
+        yield v
+    except Exception as err:  # re-raised below, on every rank
+        error = err
+    shared = [1, int(error is not None), v.batch]
     if error is None:
-        shared += v._encoded()
+        shared += v._encoded_settings() + v._encoded()
     else:  # the same length, nothing to compare: the error is raised first
-        shared += [0] * (_SLOT * _MAX_AGREE)
-    flags = torch.tensor(shared, device=device, dtype=torch.long)
-    gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flags)
-    failed = [r for r, f in enumerate(gathered) if int(f[0])]
+        shared += [0] * (_HEADER - 3)
+    gathered = _exchange_header(torch.tensor(shared, device=device, dtype=torch.long))
+    rows = gathered.tolist()
+    _raise_disagreement(rows, v, error, name, min_global)
+
+
+def _exchange_header(header: Tensor) -> Tensor:
+    """Every rank's header ``(world, _HEADER)``: one ``all_gather`` that every rank makes,
+    checks on or off (functional, so that it is traced under ``torch.compile``); nothing
+    is read back here."""
+    from torch.distributed import _functional_collectives as fc
+
+    # torch >= 2.13 names it all_gather_single; 2.3-2.12 all_gather_tensor.
+    gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+    out = gather(header, 0, typing.cast(dist.ProcessGroup, dist.group.WORLD))
+    return fc.wait_tensor(out).view(dist.get_world_size(), _HEADER)
+
+
+def _raise_disagreement(
+    rows: list[list[int]],
+    v: Validation,
+    error: Exception | None,
+    name: str,
+    min_global: int,
+) -> None:
+    """Raise what the gathered headers say is wrong, the same on every checking rank."""
+    off = [r for r, row in enumerate(rows) if not row[0]]
+    if off:  # no further collective: the ranks without checks would not make it
+        values = ", ".join(f"{bool(row[0])} on rank {r}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"validate_args: the value checks run on some ranks only ({values}; False: "
+            "validate_args=False, set_default_validate_args(False) or torch.compile there); "
+            "under gather every rank must run them or none, or the ranks cannot check "
+            "together (ranks without checks wait in their next collective until this "
+            "process ends)"
+        ) from error
+    failed = [r for r, row in enumerate(rows) if row[1]]
     if failed:
         info = (type(error).__name__, str(error)) if error is not None else None
-        infos: list[object] = [None] * dist.get_world_size()
+        infos: list[object] = [None] * len(rows)
         dist.all_gather_object(infos, info)
         kind, message = typing.cast(tuple[str, str], infos[failed[0]])
         cls = TypeError if kind == "TypeError" else ValueError
         raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
-    rows = [f[2:].tolist() for f in gathered]
-    mismatch = _disagreement([name for name, _ in v.tensors], rows)
+    settings = [row[3 : 3 + _SETTING * _MAX_SETTINGS] for row in rows]
+    if not _settings_agree(settings):
+        mine = [(k, _printed(x), repr(x)) for k, x in v.fingerprint]
+        prints: list[object] = [None] * len(rows)
+        dist.all_gather_object(prints, mine)
+        raise ValueError(_settings_message(typing.cast(list[list[tuple[str, str, str]]], prints)))
+    slots = [row[3 + _SETTING * _MAX_SETTINGS :] for row in rows]
+    mismatch = _disagreement([n for n, _ in v.tensors], slots)
     if mismatch is not None:
         raise ValueError(mismatch)
-    total = sum(int(f[1]) for f in gathered)
+    total = sum(row[2] for row in rows)
     if total < min_global:
         raise ValueError(
-            f"{name}: global batch size {total} over {len(gathered)} ranks is too small; a "
+            f"{name}: global batch size {total} over {len(rows)} ranks is too small; a "
             f"contrastive loss needs at least {min_global} samples so that each has a negative"
         )
 

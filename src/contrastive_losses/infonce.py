@@ -16,9 +16,11 @@ from ._common import (
     Terms,
     _finish,
     _info_nce_rows,
+    _logit_range,
     _pair_and_ids,
     _reduce,
     _resolve_temperature,
+    _scale_setting,
     _TemperatureMixin,
 )
 from .distributed import resolve_gather, validate_together
@@ -94,8 +96,16 @@ def info_nce(
         temperature = _resolve_temperature(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
+        _logit_range([(a, "audio", t, "text")], normalize, validate, temperature=temperature)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
+        v.settings(
+            **_scale_setting(temperature, logit_scale),
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            ids_given=ids is not None,
+        )
     a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled, chunk_size, validate)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     terms = {

@@ -25,9 +25,11 @@ from ._common import (
     _finish,
     _gather,
     _gather_no_grad,
+    _logit_range,
     _multi_positive_ce,
     _reduce,
     _resolve_temperature,
+    _scale_setting,
     _TemperatureMixin,
 )
 from ._kernels import (
@@ -56,7 +58,7 @@ def _text_and_mask(
         text, "text", ndim=3, dims="(B, K, D)", min_batch=min_batch, check_values=False
     )
     if t.shape[1] == 0:
-        raise ValueError(f"text: K = 0 languages (shape {tuple(t.shape)}); need at least one")
+        raise ValueError(f"text: K = 0 languages (shape {_checks.shape_of(t)}); need at least one")
     _check_pair(audio, "audio", t, "text")
     if mask is not None:
         mask = _checks.check_mask(mask, "mask", tuple(t.shape[:2]), t, validate=validate)
@@ -150,8 +152,17 @@ def kcl(
         t_raw, text_norms, m, moderate = _text_and_mask(
             a, text, mask, normalize, v.min_batch, validate
         )
+        _logit_range([(a, "audio", t_raw, "text")], normalize, validate, temperature=temperature)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t_raw)
+        v.settings(
+            **_scale_setting(temperature, logit_scale),
+            negatives=negatives,
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            mask_given=mask is not None,
+        )
     # Single process, per-language negatives: normalise through the scores (fast path),
     # unless 1/||t||^2 in its backward could overflow (norms below sqrt(tiny)).
     fused = normalize and not enabled and negatives == "per_language" and moderate

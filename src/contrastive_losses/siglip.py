@@ -25,6 +25,7 @@ from ._common import (
     _finish,
     _gather,
     _gather_no_grad,
+    _logit_range,
     _LossSettings,
     _pair_and_ids,
     _reduce,
@@ -151,8 +152,17 @@ def siglip(
         scale, bias = _model_scale_bias(scale, bias, logit_scale, logit_bias, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
+        _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale, shift=bias)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t)
+        v.settings(
+            **{"logit_scale" if logit_scale is not None else "scale": scale},
+            **{"logit_bias" if logit_bias is not None else "bias": bias},
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            ids_given=ids is not None,
+        )
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     if chunk_size is None:

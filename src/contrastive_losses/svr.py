@@ -28,10 +28,12 @@ from ._common import (
     _embeddings,
     _gather,
     _gather_no_grad,
+    _logit_range,
     _radius_tensor,
     _reduce,
     _refuse_trainable,
     _resolve_temperature,
+    _scale_setting,
     _temperature,
     check_radius,
 )
@@ -303,18 +305,41 @@ def support_vector_term(
         _checks.check_reduction(reduction)
         temperature = _resolve_temperature(temperature, logit_scale, anchor, validate)
         _checks.check_chunk_size(chunk_size)
+        raw = (anchor, candidates)
         dtype = getattr(anchor, "dtype", None)
         if dtype is not None and dtype == getattr(candidates, "dtype", None):
             anchor, candidates = _upcast_half(anchor), _upcast_half(candidates)
         x = _embeddings(anchor, "anchor", "(B, D)", normalize, v.min_batch, validate)
         y = _embeddings(candidates, "candidates", "(B, D)", normalize, v.min_batch, validate)
         _check_pair(x, "anchor", y, "candidates")
+        if validate and normalize and dtype in (torch.float16, torch.bfloat16):
+            # The norms the input dtype can normalise, as every other loss checks them:
+            # the float32 inside would accept a float16 row of 6e-8, whose gradient
+            # (over its norm) is then inf in float16.
+            for t_raw, t_name in zip(raw, ("anchor", "candidates"), strict=True):
+                _checks.check_row_norms(t_raw, t_name)
         b = x.shape[0]
         r = _radius_tensor(radius, b, x, validate)
         if mask is not None:
             mask = _check_row_mask(mask, b, x)
+        r_max = float(r.detach().abs().amax()) if isinstance(r, Tensor) and validate else r
+        _logit_range(
+            [(x, "anchor", y, "candidates")],
+            normalize,
+            validate,
+            temperature=temperature,
+            radius=r_max if isinstance(r_max, float) else 0.0,
+        )
         v.batch = b
         v.agree(anchor=x, candidates=y)
+        v.settings(
+            **_scale_setting(temperature, logit_scale),
+            radius="per anchor" if isinstance(r, Tensor) and r.dim() == 1 else r,
+            reduction=reduction,
+            chunk_size=chunk_size,
+            normalize=normalize,
+            mask_given=mask is not None,
+        )
     y_all, offset = _gather(y, enabled, validate)
     m_all = None if mask is None else _gather_no_grad(mask, enabled, validate)
     r = r[None] if isinstance(r, Tensor) and r.dim() == 1 else r
@@ -441,7 +466,7 @@ class RadiusPredictor(nn.Module):
         _checks.check_materialised(s, "similarities")
         if s.dim() < 2:
             raise ValueError(
-                f"similarities: expected shape (..., B, N), got shape {tuple(s.shape)}"
+                f"similarities: expected shape (..., B, N), got shape {_checks.shape_of(s)}"
             )
         b, n = s.shape[-2], s.shape[-1]
         if n < 2:
@@ -449,13 +474,24 @@ class RadiusPredictor(nn.Module):
         if validate:
             _check_similarity_peak(s)
         _checks.check_int(offset, "offset", 0)
+        if offset == 0 and b > n:
+            raise ValueError(
+                f"similarities: shape {_checks.shape_of(s)} has B = {b} rows but N = {n} columns; "
+                "the positive of row r is column offset + r, so each of the B anchors needs "
+                "its row against N >= B candidates (its positive among them)"
+            )
         if offset + b > n:
-            raise ValueError(f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns")
+            raise ValueError(
+                f"offset: rows {offset}..{offset + b - 1} exceed the {n} columns of "
+                f"similarities (shape {_checks.shape_of(s)}); the positive of row r is column "
+                "offset + r"
+            )
         if mask is not None:
             mask = _checks.check_tensor(mask, "mask")
             if tuple(mask.shape) != (*s.shape[:-2], n):
                 raise ValueError(
-                    f"mask: expected shape {(*s.shape[:-2], n)}, got {tuple(mask.shape)}"
+                    f"mask: expected shape {_checks.shape_of(s.sum(dim=-2))}, got "
+                    f"{_checks.shape_of(mask)}"
                 )
             if mask.dtype != torch.bool:
                 raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
@@ -681,9 +717,9 @@ class SupportVectorRegularizer(nn.Module):
             *args: the base's positional arguments: audio ``(B, D)`` and text ``(B, D)``
                 (InfoNCE, SigLIP; ``ids`` ``(B,)``), text ``(B, K, D)`` (KCL; ``mask``
                 ``(B, K)``), or CACL's triplet or ``(audio, text, other_index)``.
-            logit_scale: the model's exp'd scale :math:`1/	au`, a 0-d tensor: passed to
+            logit_scale: the model's exp'd scale :math:`1/\tau`, a 0-d tensor: passed to
                 the base (which then refuses a learnable temperature of its own) and, detached,
-                the SVR temperature and the predictor's :math:`\cos/	au` (unless this
+                the SVR temperature and the predictor's :math:`\cos/\tau` (unless this
                 regulariser has its own ``temperature``).
             logit_bias: the model's SigLIP bias, a 0-d tensor, passed to a SigLIP base.
             return_terms: also return the detached terms: the base's, and ``base``,
@@ -847,8 +883,18 @@ class SupportVectorRegularizer(nn.Module):
             temperature = self._detached_temperature()
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
-        local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled, validate)
         chunk_size = getattr(self.base, "chunk_size", None)
+        settings = {  # must match across ranks (the base's are checked by the base)
+            "radius": self.radius_mode,
+            "direction": self.direction,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "constraint": self.constraint,
+            "temperature": temperature,  # the model's 1/logit_scale when given
+            "chunk_size": chunk_size,
+            "normalize": normalize,
+        }
+        local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled, validate, settings)
         if chunk_size is not None:
             return self._regularise_tiled(
                 pairs,
@@ -930,11 +976,16 @@ class SupportVectorRegularizer(nn.Module):
 
 
 def _prepare_pairs(
-    pairs: list[Any], normalize: bool, enabled: bool, validate: bool = True
+    pairs: list[Any],
+    normalize: bool,
+    enabled: bool,
+    validate: bool = True,
+    settings: dict[str, Any] | None = None,
 ) -> tuple[dict[int, Tensor], dict[int, Tensor], list[tuple[int, int]], int, int]:
     """The pairs' tensors checked, upcast from half precision and normalised once each
     (key of the raw tensor ``->`` local rows ``(b, D)``), gathered (``->`` global rows
-    ``(N, D)``), the ``(audio, text)`` keys of every pair, ``b`` and this rank's offset."""
+    ``(N, D)``), the ``(audio, text)`` keys of every pair, ``b`` and this rank's offset.
+    ``settings`` must match across ranks (checked with the inputs under gather)."""
     local: dict[int, Tensor] = {}  # key of the raw tensor -> normalised local rows
     glob: dict[int, Tensor] = {}  # key of the raw tensor -> gathered rows (N, D)
     raw: list[Tensor] = []  # the distinct raw tensors, in order of first use
@@ -948,7 +999,8 @@ def _prepare_pairs(
             raw.append(x)
             if x.dim() != 2:
                 raise ValueError(
-                    f"base: contrastive_pairs must give (B, D) tensors, got shape {tuple(x.shape)}"
+                    "base: contrastive_pairs must give (B, D) tensors, got shape "
+                    f"{_checks.shape_of(x)}"
                 )
             x = _upcast_half(x)  # float32 inside, as support_vector_term
             if normalize:  # masked rows may be zero padding, as in the base (KCL)
@@ -974,6 +1026,7 @@ def _prepare_pairs(
         b = next(iter(local.values())).shape[0]
         v.batch = b
         v.agree(audio=local[keys[0][0]], text=local[keys[0][1]])
+        v.settings(**(settings or {}))
     offset = 0
     for key, x in local.items():  # the same order on every rank
         glob[key], offset = _gather(x, enabled, validate)
