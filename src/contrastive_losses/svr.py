@@ -11,6 +11,7 @@ both directions.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -32,6 +33,7 @@ from ._common import (
     _reduce,
     _refuse_trainable,
     _resolve_temperature,
+    _scalar_repr,
     _temperature,
     check_radius,
 )
@@ -465,13 +467,67 @@ class RadiusPredictor(nn.Module):
                 )
         return _radius_features(s, self.num_features, offset, mask)
 
+    def extra_repr(self) -> str:
+        return f"num_features={self.num_features}, validate_args={self.validate_args}"
+
     def forward(self, similarities: Tensor, offset: int = 0, mask: Tensor | None = None) -> Tensor:
+        r"""The radius of every row.
+
+        Args:
+            similarities: the anchors' similarity rows ``(..., B, N)``, ``N >= 2`` (the
+                regulariser passes :math:`\cos/\tau`).
+            offset: the column of row ``r``'s positive is ``offset + r`` (a rank's rows
+                against the gathered batch).
+            mask: optional bool ``(..., N)``, ``True`` at present candidates.
+
+        Returns:
+            The radii ``(..., B)``, unconstrained.
+        """
         return self._from_features(self.features(similarities, offset, mask))
 
     def _from_features(self, f: Tensor) -> Tensor:
         """The radii ``(..., B)`` from feature rows ``(..., B, num_features)``."""
         dtype = next(self.parameters()).dtype
         return self.mlp(f.to(dtype)).squeeze(-1).to(f.dtype)
+
+
+# Settings of the base losses, which the regulariser takes from its base: passed to the
+# regulariser they are refused with a TypeError that shows where they go.
+BASE_SETTINGS = (
+    "chunk_size",
+    "reduction",
+    "normalize",
+    "gather",
+    "learnable_temperature",
+    "max_logit_scale",
+    "negatives",
+    "english_index",
+    "scale_init",
+    "bias_init",
+    "learnable",
+)
+
+
+def _refuse_base_settings(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``SupportVectorRegularizer.__init__``: a base loss' setting given to the
+    regulariser raises a ``TypeError`` naming the base's call it belongs in (the signature
+    shown by ``help`` and ``inspect`` stays the wrapped one)."""
+
+    @functools.wraps(init)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        misplaced = [k for k in kwargs if k in BASE_SETTINGS]
+        if misplaced:
+            base = args[0] if args else kwargs.get("base")
+            name = type(base).__name__ if isinstance(base, nn.Module) else "InfoNCELoss"
+            given = ", ".join(f"{k}={kwargs[k]!r}" for k in misplaced)
+            raise TypeError(
+                f"{', '.join(misplaced)}: {'belongs' if len(misplaced) == 1 else 'belong'} "
+                f"to the base loss, not the regulariser: SupportVectorRegularizer({name}"
+                f"({given})); the regulariser follows its base's settings"
+            )
+        init(self, *args, **kwargs)
+
+    return wrapper
 
 
 class SupportVectorRegularizer(nn.Module):
@@ -583,6 +639,7 @@ class SupportVectorRegularizer(nn.Module):
         0.1
     """
 
+    @_refuse_base_settings
     def __init__(
         self,
         base: nn.Module,
@@ -651,9 +708,17 @@ class SupportVectorRegularizer(nn.Module):
         self._reset_monitor()
 
     def extra_repr(self) -> str:
+        """The radius (mode, and its value unless predicted), the direction, the weights,
+        the SVR temperature override and ``validate_args``; the base and the predictor
+        print as children."""
+        radius = f"radius={self.radius_mode!r}"
+        if self.predictor is None:
+            radius += f" ({_scalar_repr(self.radius)})"
+        temperature = "None (the base's)" if self.svr_temperature is None else self.svr_temperature
         return (
-            f"radius={self.radius_mode!r}, direction={self.direction!r}, alpha={self.alpha}, "
-            f"beta={self.beta}, constraint={self.constraint}"
+            f"{radius}, direction={self.direction!r}, alpha={self.alpha}, beta={self.beta}, "
+            f"constraint={self.constraint}, temperature={temperature}, "
+            f"validate_args={self.validate_args}"
         )
 
     @property
