@@ -558,11 +558,13 @@ class SupportVectorRegularizer(nn.Module):
     Radius: ``"static"`` — one learnable scalar shared by both directions;
     ``"dynamic"`` — a :class:`RadiusPredictor` per anchor (shared by both directions);
     a float — fixed. The predictor reads the anchor's row of :math:`\cos/\tau` (SupCLAP
-    Sec. 3.2). The SVR logits use the base's ``temperature`` (SigLIP: ``1/scale``)
-    unless ``temperature`` is given, *detached*: a learnable temperature (or SigLIP's
-    scale and bias) learns from the base loss alone, as with the fixed :math:`\tau` of
-    the papers. float16/bfloat16 embeddings run the SVR in float32 (its :math:`R/d`
-    overflows float16 for nearly aligned pairs). ``normalize`` and ``gather`` follow the
+    Sec. 3.2). The SVR logits use the base's ``temperature`` (SigLIP: ``1/scale``), or
+    ``1/logit_scale`` when the model's scale is passed per call (``forward(...,
+    logit_scale=s)``, which the base also gets), unless ``temperature`` is given,
+    *detached*: a learnable temperature (or SigLIP's scale and bias, or the model's scale)
+    learns from the base loss alone, as with the fixed :math:`\tau` of the papers.
+    float16/bfloat16 embeddings run the SVR in float32 (its :math:`R/d` overflows float16
+    for nearly aligned pairs). ``normalize`` and ``gather`` follow the
     base; under ``gather`` the anchors are this rank's rows against the global batch,
     scaled like the base so the mean over ranks is the single-process loss. A base whose
     forward draws randomness (CACL without ``other``) exposes ``resolve_inputs``; it is
