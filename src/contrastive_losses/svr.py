@@ -672,7 +672,7 @@ class SupportVectorRegularizer(nn.Module):
             )
         _refuse_trainable(temperature, "temperature", "learnable_temperature=True on the base")
         if temperature is not None:
-            _temperature(temperature)
+            _temperature(temperature, stacklevel=5)  # + the __init__ wrapper
         _check_base_reduction(base)
         _checks.check_choice(direction, "direction", DIRECTIONS)
         _check_weight(alpha, "alpha")
