@@ -167,7 +167,7 @@ def test_ddp_snippet_runs_on_two_processes() -> None:
 
 
 def test_compile_snippet_trains_without_recompiling() -> None:
-    """The Performance page's loop (``docs/snippets/compile_loop.py``) as shown, with
+    """The Performance page's loop (``docs/snippets/compile_svr_loop.py``) as shown, with
     inductor: one graph serves all its steps (new embeddings each step; the regulariser
     once recompiled every step until ``FailOnRecompileLimitHit``), and the loss falls."""
     import importlib.util
@@ -177,7 +177,7 @@ def test_compile_snippet_trains_without_recompiling() -> None:
     from helpers import CountingBackend
 
     spec = importlib.util.spec_from_file_location(
-        "compile_loop", DOCS / "snippets" / "compile_loop.py"
+        "compile_svr_loop", DOCS / "snippets" / "compile_svr_loop.py"
     )
     assert spec is not None and spec.loader is not None
     snippet = importlib.util.module_from_spec(spec)

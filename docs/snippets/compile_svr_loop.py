@@ -1,4 +1,4 @@
-"""A training loop with the compiled regulariser: python compile_loop.py"""
+"""A training loop with the compiled regulariser: python compile_svr_loop.py"""
 
 import torch
 from torch import nn
