@@ -42,6 +42,8 @@ API_MODULES = [
     "contrastive_losses.metrics",
     "contrastive_losses.diagnostics",
     "contrastive_losses.distributed",
+    "contrastive_losses.integrations",
+    "contrastive_losses.integrations.open_clip",
 ]
 # Modules still on their feature branches. A pending module that does not import is left
 # out of the API reference and its doctest snippets are skipped (`:skipif: pending(...)`);

@@ -49,6 +49,8 @@ PUBLIC_ALL = {
         "sinkhorn",
         "support_vector_term",
     ],
+    "contrastive_losses.integrations": [],
+    "contrastive_losses.integrations.open_clip": ["ClipLoss", "SigLipLoss"],
     "contrastive_losses.losses": [
         "CACLLoss",
         "ContrastivePair",
@@ -217,6 +219,17 @@ SIGNATURES = {
         "| Tensor' = 0.07, *, logit_scale: 'Tensor | None' = None, normalize: 'bool' = True, "
         "mask: 'Tensor | None' = None, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
         "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'Tensor'"
+    ),
+    "contrastive_losses.integrations.open_clip.ClipLoss": (
+        "(local_loss: 'bool' = False, gather_with_grad: 'bool' = False, cache_labels: 'bool' = "
+        "False, rank: 'int' = 0, world_size: 'int' = 1, use_horovod: 'bool' = False, *, "
+        "chunk_size: 'int | None' = None, svr: 'Mapping[str, Any] | None' = None, "
+        "validate_args: 'bool | None' = None) -> 'None'"
+    ),
+    "contrastive_losses.integrations.open_clip.SigLipLoss": (
+        "(cache_labels: 'bool' = False, rank: 'int' = 0, world_size: 'int' = 1, dist_impl: 'str "
+        "| None' = None, *, chunk_size: 'int | None' = None, svr: 'Mapping[str, Any] | None' = "
+        "None, validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.losses.CACLLoss": (
         "(temperature: 'float' = 0.07, *, english_index: 'int' = 0, learnable_temperature: 'bool' "

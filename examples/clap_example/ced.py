@@ -1,23 +1,50 @@
 """CED audio encoder (Dinkel et al., "CED: Consistent ensemble distillation for audio tagging").
 
-Written from the published architecture, not from the (GPL) reference code:
+Written from the published architecture (the reference code was read, not copied):
 
 * front end: 64-band log-mel spectrogram at 16 kHz -- periodic Hann window of 512 samples,
   ``n_fft = 512``, hop 160 (10 ms), centred STFT with reflect padding, power spectrum, HTK
   mel filterbank from 0 to 8 kHz without area normalisation, ``10 * log10(max(x, 1e-10))`` with
   a 120 dB floor below each clip's maximum (what ``torchaudio``'s ``MelSpectrogram`` +
-  ``AmplitudeToDB(top_db=120)`` compute; the filterbank is rebuilt here in plain torch);
+  ``AmplitudeToDB(top_db=120)`` compute; the filterbank is rebuilt here in plain torch). One
+  difference, deliberate: torchaudio takes the 120 dB floor below the maximum of the whole
+  ``(B, n_mels, T)`` batch (it reads the batch as channels), so in the reference a clip's
+  features depend on the clips batched with it; here the floor is per clip, which is what the
+  reference gives for each clip run on its own (batch of one, how it is evaluated);
 * ``init_bn``: a ``BatchNorm2d`` over the mel bands;
 * 16 x 16 non-overlapping patches (a strided ``Conv2d``) on ``(64 mel, 1012 frames)``, i.e. a
   4 x 63 grid, with *separate* learnable time and frequency position embeddings added on the grid;
 * pre-norm ViT blocks (LayerNorm eps 1e-6, fused ``qkv`` projection with bias, GELU MLP x4);
 * final LayerNorm, mean over tokens.
 
-Inputs longer than ``target_length`` frames (about 10.1 s) are split into ``target_length``
-chunks (the last one zero-padded after ``init_bn``), each chunk is encoded on its own and the
-pooled chunk embeddings are averaged, as the published models do at inference. Batches of clips
-of different lengths are handled with a key-padding mask, so padding never leaks into the
-embedding of a shorter clip.
+Clips longer than ``target_length`` frames (1012, about 10.1 s) follow ``long_clip``:
+
+* ``"reference"`` (default): what the published code does at inference (``forward_spectrogram``
+  of ``RicherMans/CED`` ``models/audiotransformer.py``, the same in ML-CLAP's copy): the
+  normalised log-mel (after ``init_bn``) is split into ``target_length`` chunks, the last one is
+  zero-padded to ``target_length``, every chunk is encoded *without a mask* (the zero frames are
+  tokens like any other), and the chunks' mean-pooled embeddings are averaged with equal weight.
+  Its quirks, followed so published checkpoints give published numbers: a trailing chunk of
+  any length counts (1013 frames = one full chunk + one chunk holding a single real frame, each
+  weight 1/2); a clip of an exact multiple ``k * target_length`` frames (k >= 2) keeps only its
+  first ``k - 1`` chunks (the reference's ``torch.stack(splits[:-1])`` when nothing needs
+  padding); a clip of at most ``target_length`` frames is encoded as it is, unpadded.
+  :meth:`CEDAudioEncoder.classify` averages the per-chunk *probabilities* (``sigmoid`` of the
+  head on each chunk), as the reference's ``forward_head`` per chunk then ``mean``.
+  (The Hugging Face port ``mispeech/ced-*`` instead concatenates the chunks' tokens and applies
+  the head once to their mean -- the same embedding for one clip, a different ``classify`` --
+  and for a batch of several long clips its ``reshape`` mixes chunks of different clips; we
+  follow the original repository, clip by clip.)
+* ``"masked"``: padding never counts -- the padded frames of the last chunk are masked in
+  attention and pooling, a trailing chunk without one whole 16-frame patch is skipped, and an
+  exact multiple of ``target_length`` keeps all its chunks. Cleaner for training from scratch;
+  with published weights it gives other embeddings than the reference on clips longer than
+  ``target_length`` (identical up to ``target_length`` frames). ``classify`` averages the
+  per-chunk probabilities of the chunks kept.
+
+Either way a batch of clips of different lengths (``lengths``) gives each clip what it gives
+alone: the front end reflects each clip at its own end, the per-clip dB floor ignores padding,
+and padding inside a clip's single (unpadded) chunk is masked.
 
 Parameter names follow the Hugging Face ``mispeech/ced-{tiny,mini,small,base}`` checkpoints
 (``encoder.init_bn.*``, ``encoder.patch_embed.proj.*``, ``encoder.time_pos_embed``,
@@ -39,6 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .sources import HubRepo, hub_file, locate
+
 SAMPLE_RATE = 16_000
 
 #: The four published sizes (embed_dim, depth, num_heads); every size uses 16x16 patches and mlp x4.
@@ -48,6 +77,9 @@ CED_SIZES: dict[str, dict[str, int]] = {
     "small": {"embed_dim": 384, "depth": 12, "num_heads": 6},
     "base": {"embed_dim": 768, "depth": 12, "num_heads": 12},
 }
+
+#: How clips longer than ``target_length`` frames are encoded (see the module docstring).
+LONG_CLIP_RULES = ("reference", "masked")
 
 #: Hugging Face repositories of the published checkpoints.
 CED_HUB_IDS: dict[str, str] = {size: f"mispeech/ced-{size}" for size in CED_SIZES}
@@ -78,7 +110,20 @@ class CEDConfig:
     drop_path_rate: float = 0.0
     outputdim: int = 527
     with_head: bool = False
+    long_clip: str = "reference"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.embed_dim % self.num_heads != 0:
+            raise ValueError(
+                f"ced config: embed_dim {self.embed_dim} is not divisible by num_heads "
+                f"{self.num_heads}"
+            )
+        if self.long_clip not in LONG_CLIP_RULES:
+            raise ValueError(
+                f"ced config long_clip: expected one of {list(LONG_CLIP_RULES)}, "
+                f"got {self.long_clip!r}"
+            )
 
     @classmethod
     def from_size(cls, size: str, **overrides: Any) -> CEDConfig:
@@ -144,7 +189,8 @@ def mel_filterbank(
 class LogMelFrontEnd(nn.Module):
     """Waveform ``(B, S)`` at 16 kHz -> log-mel ``(B, n_mels, T)`` with ``T = 1 + S // hop``.
 
-    Runs in float32 with autocast disabled (the dB conversion underflows in bf16/fp16). The
+    Runs in float32 (float64 for float64 input) with autocast disabled (the dB conversion
+    underflows in bf16/fp16). The
     window and filterbank are non-persistent buffers: they are not part of the checkpoints.
     """
 
@@ -177,26 +223,47 @@ class LogMelFrontEnd(nn.Module):
         """Frames produced from ``num_samples`` samples (centred STFT)."""
         return torch.div(num_samples, self.hop_size, rounding_mode="floor") + 1
 
-    def forward(self, waveform: Tensor) -> Tensor:
+    def forward(self, waveform: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """``lengths`` (B,) in samples: each clip is reflected at its own end (what a centred
+        STFT of the clip alone does) and its dB floor ignores the frames after its end."""
         with torch.autocast(device_type=waveform.device.type, enabled=False):
-            x = waveform.float()
-            spec = torch.stft(
-                x,
-                n_fft=self.n_fft,
-                hop_length=self.hop_size,
-                win_length=self.win_size,
-                window=self.window,
-                center=True,
-                pad_mode="reflect",
-                return_complex=True,
-            )  # (B, n_fft/2 + 1, T)
-            power = spec.real.square() + spec.imag.square()
+            x = waveform if waveform.dtype == torch.float64 else waveform.float()
+            frame_mask = None
+            if lengths is None:
+                spec = torch.stft(
+                    x, n_fft=self.n_fft, hop_length=self.hop_size, win_length=self.win_size,
+                    window=self.window, center=True, pad_mode="reflect", return_complex=True,
+                )  # fmt: skip
+            else:
+                x = self._reflect_each(x, lengths)
+                spec = torch.stft(
+                    x, n_fft=self.n_fft, hop_length=self.hop_size, win_length=self.win_size,
+                    window=self.window, center=False, return_complex=True,
+                )  # fmt: skip
+                frames = torch.arange(spec.shape[-1], device=x.device)
+                n_frames = self.num_frames(lengths.to(x.device))
+                frame_mask = frames.unsqueeze(0) < n_frames.unsqueeze(1)  # (B, T)
+            power = spec.real.square() + spec.imag.square()  # (B, n_fft/2 + 1, T)
             mel = torch.matmul(power.transpose(1, 2), self.fbanks).transpose(1, 2)  # (B, M, T)
             log_mel = 10.0 * torch.log10(torch.clamp(mel, min=1e-10))
             if self.top_db is not None:
-                floor = log_mel.amax(dim=(1, 2), keepdim=True) - self.top_db  # per clip
+                real = log_mel
+                if frame_mask is not None:
+                    real = log_mel.masked_fill(~frame_mask.unsqueeze(1), float("-inf"))
+                floor = real.amax(dim=(1, 2), keepdim=True) - self.top_db  # per clip
                 log_mel = torch.maximum(log_mel, floor)
         return log_mel
+
+    def _reflect_each(self, x: Tensor, lengths: Tensor) -> Tensor:
+        """``(B, S)`` -> ``(B, S + n_fft)``: reflect padding of ``n_fft // 2`` samples at the
+        start and at each clip's own end (``torch.stft(center=True)`` on the clip alone);
+        what lies beyond only feeds frames after the clip's end."""
+        pad = self.n_fft // 2
+        total = x.shape[-1]
+        last = (lengths.to(x.device).long().clamp(1, total) - 1).unsqueeze(1)  # (B, 1)
+        index = torch.arange(-pad, total + pad, device=x.device).abs().unsqueeze(0)
+        index = torch.where(index > last, 2 * last - index, index)  # (B, S + 2 pad)
+        return x.gather(1, index.clamp(0, total - 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,61 +442,84 @@ class CEDAudioEncoder(nn.Module):
         return self.config.embed_dim
 
     def forward(self, waveform: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """``(B, S)`` (and ``lengths`` ``(B,)`` in samples for a padded batch) -> ``(B, D)``:
+        the equal-weight mean of the clip's chunk embeddings (see ``long_clip``)."""
+        pooled, weights = self.chunk_embeddings(waveform, lengths)
+        return _weighted_mean(pooled, weights)
+
+    def classify(self, waveform: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """AudioSet tag probabilities ``(B, outputdim)``: the mean over the clip's chunks of
+        ``sigmoid(head(chunk embedding))``, as the reference (needs ``with_head=True``)."""
+        if self.outputlayer is None:
+            raise RuntimeError("classify: this encoder was built without the AudioSet head")
+        pooled, weights = self.chunk_embeddings(waveform, lengths)
+        return _weighted_mean(torch.sigmoid(self.outputlayer(pooled)), weights)
+
+    def chunk_counts(self, n_frames: Tensor) -> Tensor:
+        """Chunks each clip of ``n_frames`` frames is encoded as, under ``long_clip``."""
+        target, patch = self.config.target_length, self.config.patch_size
+        if self.config.long_clip == "masked":  # chunks holding at least one whole patch
+            return 1 + torch.div((n_frames - patch).clamp(min=0), target, rounding_mode="floor")
+        chunks = torch.div(n_frames + target - 1, target, rounding_mode="floor")
+        exact = (n_frames > target) & (n_frames % target == 0)  # reference: last one dropped
+        return chunks - exact.long()
+
+    def chunk_embeddings(
+        self, waveform: Tensor, lengths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Mean-pooled embedding of every chunk ``(C, B, D)`` and its weight ``(C, B)`` (1 for
+        the clip's chunks, 0 past its end)."""
         if waveform.dim() != 2:
             raise ValueError(f"waveform: expected shape (B, S), got {tuple(waveform.shape)}")
-        log_mel = self.front_end(waveform)  # (B, M, T)
+        cfg = self.config
+        log_mel = self.front_end(waveform, lengths)  # (B, M, T)
         x = self.encoder.normalize(log_mel)  # (B, 1, M, T)
         total = x.shape[-1]
-        if total < self.config.patch_size:
-            raise ValueError(
-                f"waveform: {waveform.shape[-1]} samples give {total} frames, fewer than one "
-                f"patch ({self.config.patch_size} frames = "
-                f"{self.config.patch_size * self.config.hop_size / self.config.sample_rate:.2f} s)"
-            )
         if lengths is None:
             n_frames = torch.full((x.shape[0],), total, device=x.device, dtype=torch.long)
         else:
             n_frames = self.front_end.num_frames(lengths.to(x.device)).clamp(max=total)
-        frames = torch.arange(total, device=x.device)
-        frame_mask = frames.unsqueeze(0) < n_frames.unsqueeze(1)  # (B, T)
-        x = x * frame_mask[:, None, None, :]  # padded frames are zero, as the chunk padding
-        target = self.config.target_length
-        chunk_starts = list(range(0, total, target))
+        shortest = int(n_frames.min())
+        if shortest < cfg.patch_size:
+            raise ValueError(
+                f"waveform: a clip gives {shortest} frames, fewer than one patch "
+                f"({cfg.patch_size} frames = "
+                f"{cfg.patch_size * cfg.hop_size / cfg.sample_rate:.2f} s)"
+            )
+        frame_mask = torch.arange(total, device=x.device).unsqueeze(0) < n_frames.unsqueeze(1)
+        x = x * frame_mask[:, None, None, :]  # after init_bn: padding is zero, as the reference's
+        counts = self.chunk_counts(n_frames)  # (B,)
+        # Clips longer than one chunk are encoded unmasked under the reference rule.
+        unmasked = (n_frames > cfg.target_length) & (cfg.long_clip == "reference")
+        width = min(total, cfg.target_length)
         pooled: list[Tensor] = []
         weights: list[Tensor] = []
-        for start in chunk_starts:
-            chunk = x[..., start : start + target]
-            chunk_mask = frame_mask[:, start : start + target]
-            if chunk.shape[-1] < target and len(chunk_starts) > 1:
-                pad = target - chunk.shape[-1]
-                chunk = F.pad(chunk, (0, pad))
-                chunk_mask = F.pad(chunk_mask, (0, pad))
-            # (B,) the clip has at least one whole patch in this chunk
-            has_frames = chunk_mask[:, min(self.config.patch_size, chunk_mask.shape[1]) - 1]
-            if not bool(has_frames.any()):
-                continue
-            # A clip without frames in this chunk attends to all tokens (no empty softmax);
-            # its pooled output gets weight 0 below.
-            safe_mask = chunk_mask | ~has_frames.unsqueeze(1)
-            need_mask = not bool(chunk_mask.all())
+        for index in range(int(counts.max())):
+            start = index * cfg.target_length
+            chunk = x[..., start : start + width]
+            chunk_mask = frame_mask[:, start : start + width]
+            short = width - chunk.shape[-1]
+            if short:  # the last chunk, zero-padded to target_length
+                chunk, chunk_mask = F.pad(chunk, (0, short)), F.pad(chunk_mask, (0, short))
+            used = counts > index  # (B,)
+            # Unmasked clips and clips past their end (weight 0) attend to every token.
+            chunk_mask = chunk_mask | (unmasked | ~used).unsqueeze(1)
             tokens, token_mask = self.encoder.forward_features(
-                chunk, safe_mask if need_mask else None
+                chunk, None if bool(chunk_mask.all()) else chunk_mask
             )
             if token_mask is None:
                 pooled.append(tokens.mean(dim=1))
             else:
                 w = token_mask.to(tokens.dtype).unsqueeze(-1)  # (B, N, 1)
                 pooled.append((tokens * w).sum(1) / w.sum(1).clamp(min=1.0))
-            weights.append(has_frames.to(tokens.dtype))
-        stacked = torch.stack(pooled)  # (C, B, D)
-        w = torch.stack(weights).unsqueeze(-1)  # (C, B, 1)
-        return (stacked * w).sum(0) / w.sum(0).clamp(min=1.0)
+            weights.append(used.to(tokens.dtype))
+        return torch.stack(pooled), torch.stack(weights)
 
-    def classify(self, waveform: Tensor, lengths: Tensor | None = None) -> Tensor:
-        """AudioSet tag probabilities (needs ``with_head=True`` and the head's weights)."""
-        if self.outputlayer is None:
-            raise RuntimeError("classify: this encoder was built without the AudioSet head")
-        return torch.sigmoid(self.outputlayer(self(waveform, lengths)))
+
+def _weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
+    """``(C, B, K)`` averaged over ``C`` with weights ``(C, B)``."""
+    w = weights.unsqueeze(-1)
+    return (values * w).sum(0) / w.sum(0).clamp(min=1.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,29 +528,19 @@ class CEDAudioEncoder(nn.Module):
 
 
 def _resolve_checkpoint_file(name_or_path: str | os.PathLike[str]) -> Path:
-    """A ``.safetensors`` / ``.bin`` / ``.pt`` file, a directory holding one, or a hub id."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    if path.is_dir():
+    """A ``.safetensors`` / ``.bin`` / ``.pt`` file, a directory holding one, or a hub
+    repository asked for as ``hf:owner/name`` (see :mod:`clap_example.sources`)."""
+    where = locate(name_or_path, "ced checkpoint")
+    if isinstance(where, HubRepo):
+        return hub_file(where, "model.safetensors", "ced checkpoint")
+    if where.is_dir():
         for name in ("model.safetensors", "pytorch_model.bin"):
-            if (path / name).is_file():
-                return path / name
+            if (where / name).is_file():
+                return where / name
         raise FileNotFoundError(
-            f"ced checkpoint: no model.safetensors or pytorch_model.bin in directory {path}"
+            f"ced checkpoint: no model.safetensors or pytorch_model.bin in directory {where}"
         )
-    if str(name_or_path).count("/") == 1 and not str(name_or_path).startswith((".", "/")):
-        try:
-            from huggingface_hub import hf_hub_download
-        except ImportError as err:  # pragma: no cover - huggingface_hub comes with transformers
-            raise ImportError(
-                "ced checkpoint: loading from the hub needs huggingface_hub "
-                "(pip install 'contrastive-losses[examples]')"
-            ) from err
-        return Path(hf_hub_download(str(name_or_path), "model.safetensors"))
-    raise FileNotFoundError(
-        f"ced checkpoint: {name_or_path} is neither a file, a directory nor a hub id"
-    )
+    return where
 
 
 def read_state_dict(file: str | os.PathLike[str]) -> dict[str, Tensor]:
@@ -523,10 +603,12 @@ def load_ced_checkpoint(
 ) -> list[str]:
     """Load published CED weights into ``model``; returns the checkpoint keys that were ignored.
 
-    ``name_or_path``: a ``model.safetensors`` file, a directory with one, a hub id such as
-    ``mispeech/ced-base`` (needs network), or an original ``.pt`` checkpoint. The AudioSet head
-    (``outputlayer.*``) is loaded only into a model built with ``with_head=True`` and ignored
-    otherwise. With ``strict`` every encoder parameter and buffer must be present with its shape.
+    ``name_or_path``: a ``model.safetensors`` file, a directory with one, an original ``.pt``
+    checkpoint, or a hub repository: ``hf:mispeech/ced-base`` (the published ids also without
+    ``hf:``; needs network or the hub cache). A missing local path is an error at once. The
+    AudioSet head (``outputlayer.*``) is loaded only into a model built with ``with_head=True``
+    and ignored otherwise. With ``strict`` every encoder parameter and buffer must be present
+    with its shape.
     """
     state = convert_original_ced_keys(read_state_dict(_resolve_checkpoint_file(name_or_path)))
     adapt_position_embeddings(state, model)

@@ -1,19 +1,19 @@
-"""Checkpoints of the trainer: manifest, save, verify, resume point, prune.
+"""Checkpoints of the trainer: save, choose the resume point, prune, load.
 
 A checkpoint is a directory ``checkpoints/step-NNNNNNNN`` (``step-N.k`` when the step was saved
 before: an epoch ending on a ``--save-every-steps`` step) holding ``state.pt`` (rank 0),
-``rng-rank<r>.pt`` (every rank) and ``manifest.json``: the SHA-256 and size of every other
-file, the checkpoint's name, step and epoch, and the run's options. The files are written into a
-temporary directory, the manifest last, the directory is renamed into place and only then
-named by ``checkpoints/latest``. A checkpoint whose files do not match its manifest is never
-loaded: ``--resume auto`` falls back to the newest intact checkpoint with a warning naming the
-damaged file, or stops with an error naming it when none is intact.
+``rng-rank<r>.pt`` (every rank) and ``manifest.json`` (``manifest.py``: the SHA-256 and size of
+every other file, the checkpoint's name, step and epoch, and the run's options). The files are
+written into a temporary directory, the manifest last, the directory is renamed into place and
+only then named by ``checkpoints/latest``. A checkpoint is used only when its manifest speaks
+for its own folder alone, every file matches it, and ``state.pt`` and the RNG files load with
+``weights_only=True``: ``--resume auto`` otherwise falls back to the newest checkpoint that
+passes, with a warning naming what was wrong, or stops with an error naming it when none does.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pickle
@@ -37,9 +37,8 @@ from .durable import (
     remove_tree,
     warn,
 )
+from .manifest import CheckpointError, verify, write_manifest
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
 NAME = re.compile(r"step-(\d{8})(?:\.(\d+))?")
 
 #: Keys of ``state.pt`` a resume cannot do without.
@@ -56,10 +55,7 @@ REQUIRED_STATE = (
     "history",
 )
 REQUIRED_RNG = ("python", "torch", "cuda", "lang_gen")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or ``latest``) is missing, damaged or not usable; names the file."""
+RNG_FILE = re.compile(r"rng-rank\d+\.pt")
 
 
 def sort_key(name: str) -> tuple[int, int]:
@@ -68,77 +64,16 @@ def sort_key(name: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2) or 0)
 
 
-def file_digest(path: Path) -> dict[str, Any]:
-    sha = hashlib.sha256()
-    size = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-            size += len(chunk)
-    return {"sha256": sha.hexdigest(), "size": size}
-
-
-def write_manifest(directory: Path, name: str, meta: dict[str, Any]) -> None:
-    """``manifest.json``: digest of every file in ``directory`` plus ``meta``."""
-    files = {
-        p.name: file_digest(p)
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(TMP_PREFIX)
-    }
-    manifest = {"format": MANIFEST_FORMAT, "name": name, **meta, "files": files}
-    atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1, default=str))
-
-
-def verify(directory: Path) -> dict[str, Any]:
-    """The checkpoint's manifest, once every file matches it; else :class:`CheckpointError`
-    naming the first file that does not."""
-    path = directory / MANIFEST
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path}: missing (the checkpoint is incomplete, or was written by a trainer "
-            "without manifests): its files cannot be verified"
-        )
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-        files = manifest["files"]
-        if not isinstance(files, dict) or "state.pt" not in files:
-            raise ValueError("no 'files' entry listing state.pt")
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path}: not a valid checkpoint manifest ({err})") from err
-    if manifest.get("name") != directory.name:
-        raise CheckpointError(
-            f"{path}: describes checkpoint {manifest.get('name')!r}, not {directory.name!r} "
-            "(a file or directory was swapped or renamed)"
-        )
-    present = {p.name for p in directory.iterdir() if p.name != MANIFEST}
-    for extra in sorted(present - set(files)):
-        raise CheckpointError(f"{directory / extra}: not listed in {path}")
-    for name, entry in files.items():
-        file = directory / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: listed in {path} but missing")
-        actual = file_digest(file)
-        if actual["size"] != entry.get("size"):
-            raise CheckpointError(
-                f"{file}: {actual['size']} bytes, the manifest says {entry.get('size')} "
-                "(truncated or replaced after it was saved)"
-            )
-        if actual["sha256"] != entry.get("sha256"):
-            raise CheckpointError(
-                f"{file}: sha256 {actual['sha256'][:16]}... does not match the manifest's "
-                f"{str(entry.get('sha256'))[:16]}... (the file changed after it was saved)"
-            )
-    return manifest
-
-
 def read_latest(checkpoints: Path) -> tuple[str | None, str | None]:
     """``(name, problem)``: what ``checkpoints/latest`` names, or why it names nothing usable
     (``problem`` is None when the file is simply absent)."""
     latest = checkpoints / "latest"
+    if latest.is_symlink():
+        return None, f"{latest}: a symbolic link (to {os.readlink(latest)!r}), not a file"
     if not latest.is_file():
         return None, None
+    if latest.stat().st_size > 256:
+        return None, f"{latest}: {latest.stat().st_size} bytes, not a checkpoint name"
     data = latest.read_bytes()
     try:
         name = data.decode("utf-8").strip()
@@ -146,16 +81,21 @@ def read_latest(checkpoints: Path) -> tuple[str | None, str | None]:
         return None, f"{latest}: not UTF-8 text ({err.reason} at byte {err.start})"
     if not NAME.fullmatch(name):
         return None, f"{latest}: {name[:80]!r} is not a checkpoint name (step-N)"
-    if not (checkpoints / name).is_dir():
+    if not (checkpoints / name).is_dir() and not (checkpoints / name).is_symlink():
         return None, f"{latest}: names {name}, which does not exist"
     return name, None
 
 
 def complete_checkpoints(checkpoints: Path) -> list[Path]:
-    """Checkpoint directories (not temporary ones), newest first."""
+    """Checkpoint directories (not temporary ones), newest first; symbolic links named like
+    one are listed too, so that a resume names them when it skips them."""
     if not checkpoints.is_dir():
         return []
-    found = [p for p in checkpoints.iterdir() if p.is_dir() and NAME.fullmatch(p.name)]
+    found = [
+        p
+        for p in checkpoints.iterdir()
+        if NAME.fullmatch(p.name) and (p.is_dir() or p.is_symlink())
+    ]
     return sorted(found, key=lambda p: sort_key(p.name), reverse=True)
 
 
@@ -165,22 +105,57 @@ class ResumePoint:
     manifest: dict[str, Any]
 
 
+def _is_zip(path: Path) -> bool:
+    """The archive ``torch.save`` writes (what ``torch.load(mmap=True)`` needs)."""
+    with path.open("rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def check_loadable(directory: Path, manifest: dict[str, Any]) -> None:
+    """``state.pt`` and every ``rng-rank<r>.pt`` of a verified checkpoint load with
+    ``weights_only=True`` and hold what a resume needs (``mmap``: the tensors are not read),
+    and ``state.pt`` is at the manifest's step; else :class:`CheckpointError` naming the file.
+    A crafted file is refused here, before the checkpoint is chosen, so a resume falls back."""
+    state = CheckpointStore.load(directory / "state.pt", "cpu", REQUIRED_STATE, mmap=True)
+    step = state["step"]
+    if not isinstance(step, int) or step != manifest["step"]:
+        raise CheckpointError(
+            f"{directory / 'state.pt'}: at step {str(step)[:40]}, its manifest says "
+            f"{manifest['step']} (a file was swapped and the manifest forged)"
+        )
+    del state
+    for name in sorted(manifest["files"]):
+        if RNG_FILE.fullmatch(name):
+            CheckpointStore.load(directory / name, "cpu", REQUIRED_RNG, mmap=True)
+
+
+def usable(directory: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint that passes :func:`verify` and :func:`check_loadable`."""
+    manifest = verify(directory)
+    try:
+        check_loadable(directory, manifest)
+    except CheckpointError as err:  # the loader's messages start "--resume: "
+        raise CheckpointError(str(err).removeprefix("--resume: ")) from None
+    return manifest
+
+
 def find_resume_point(checkpoints: Path, resume: str | None) -> ResumePoint | None:
     """The checkpoint ``--resume`` starts from, verified; ``None``: start afresh.
 
     ``--resume DIR``: that checkpoint or an error. ``--resume auto``: what ``latest`` names;
-    when it is absent, garbled or names a damaged checkpoint, the newest intact one (with a
-    warning naming what was wrong); an error when checkpoints exist but none is intact.
-    Reads only: nothing is written or deleted here.
+    when it is absent, garbled, a link, or names a checkpoint that is damaged, not loadable or
+    whose manifest lists anything but plain files of its own folder, the newest usable one
+    (with a warning naming what was wrong); an error when checkpoints exist but none is
+    usable. Reads only: nothing is written or deleted here.
     """
     if not resume:
         return None
     if resume != "auto":
         directory = Path(resume)
-        if directory.is_file():
+        if directory.is_file() and not directory.is_symlink():
             directory = directory.parent
         try:
-            return ResumePoint(directory, verify(directory))
+            return ResumePoint(directory, usable(directory))
         except CheckpointError as err:
             raise CheckpointError(f"--resume {resume}: {err}") from err
     name, problem = read_latest(checkpoints)
@@ -188,14 +163,14 @@ def find_resume_point(checkpoints: Path, resume: str | None) -> ResumePoint | No
     missing = f"{checkpoints / 'latest'} is missing"
     if name is not None:
         try:
-            return ResumePoint(checkpoints / name, verify(checkpoints / name))
+            return ResumePoint(checkpoints / name, usable(checkpoints / name))
         except CheckpointError as err:
             problems.append(str(err))
     for directory in complete_checkpoints(checkpoints):
         if directory.name == name:
             continue
         try:
-            manifest = verify(directory)
+            manifest = usable(directory)
         except CheckpointError as err:
             problems.append(str(err))
             continue
@@ -321,7 +296,7 @@ class CheckpointStore:
         damaged ones a resume fell back from) are replaced."""
         base = name = f"step-{step:08d}"
         k = 0
-        while (self.dir / name).exists():
+        while os.path.lexists(self.dir / name):  # a link of that name too (it is removed)
             if name != self.published:
                 remove_tree(self.dir / name)
                 break
@@ -373,18 +348,32 @@ class CheckpointStore:
 
     def prune(self, latest: str) -> None:
         """Keep the ``keep`` newest checkpoints up to ``latest``; newer ones (damaged ones a
-        resume fell back from) are left to be replaced when the run reaches their step."""
+        resume fell back from) are left to be replaced when the run reaches their step, and so
+        are symbolic links named like a checkpoint (never followed, never counted as kept)."""
         limit = sort_key(latest)
-        older = [p for p in complete_checkpoints(self.dir) if sort_key(p.name) <= limit]
+        older = [
+            p
+            for p in complete_checkpoints(self.dir)
+            if sort_key(p.name) <= limit and not p.is_symlink()
+        ]
         for old in older[self.keep :]:
             remove_tree(old)
 
     @staticmethod
-    def load(path: Path, map_location: Any, required: Sequence[str]) -> dict[str, Any]:
+    def load(
+        path: Path,
+        map_location: Any,
+        required: Sequence[str],
+        mmap: bool = False,
+    ) -> dict[str, Any]:
         """``torch.load(weights_only=True)`` (a checkpoint holds tensors and plain types only,
-        so a crafted file cannot run code), with errors that name the file."""
+        so a crafted file cannot run code), with errors that name the file. ``mmap``: the
+        tensors of the zip archive ``torch.save`` writes are mapped, not read (a check that the
+        file loads; a file of another format is read whole and refused with the loader's
+        message)."""
         try:
-            data = torch.load(path, map_location=map_location, weights_only=True)
+            mapped = mmap and _is_zip(path)
+            data = torch.load(path, map_location=map_location, weights_only=True, mmap=mapped)
         except pickle.UnpicklingError as err:
             # torch's message suggests weights_only=False: never relay that.
             detail = next(

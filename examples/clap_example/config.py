@@ -134,12 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--ced-checkpoint",
-        help="HF CED weights: model.safetensors, its directory, or a hub id (mispeech/ced-base)",
+        help="HF CED weights: model.safetensors or its directory (a local path), or a hub "
+        "repository written hf:mispeech/ced-base",
     )
     g.add_argument(
         "--sonar",
-        help="directory (or hub id) with the SONAR encoder's config.json, "
-        "weights and NLLB tokenizer",
+        help="directory with the SONAR encoder's config.json, weights and NLLB tokenizer, or a "
+        "hub repository written hf:cointegrated/SONAR_200_text_encoder",
     )
     _add_flag(g, "--sonar-weights", True, "false: random init from the directory's config (tests)")
     g.add_argument(
@@ -278,7 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_flag(g, "--debug", False, "errors show their traceback")
     _add_flag(g, "--progress", True, "tqdm progress bars")
-    _add_flag(g, "--plots", True, "PNG curves at the end")
+    _add_flag(g, "--plots", True, "PNG curves at the end: plots/summary.png and detailed plots")
+    _add_flag(
+        g,
+        "--tensorboard",
+        False,
+        "also write the logged scalars as TensorBoard events in --output-dir/tensorboard "
+        "(needs the tensorboard package, in the examples extra)",
+    )
     return p
 
 

@@ -5,18 +5,30 @@ and watch learn in about a minute.
 is heard (5 sounds x loud/quiet, :func:`~clap_example.synthetic.make_demo_dataset`);
 ``DIR/sonar`` a 2-layer SONAR-shaped text encoder with a tokenizer trained on those captions;
 ``DIR/run`` the run itself (logs, checkpoints, plots). Both towers start from random weights,
-so whatever the run retrieves it learned. The last line printed says how far the loss fell,
-the test set's text-to-audio R@1 and where the plots and logs are.
+so whatever the run retrieves it learned. Every option is checked (:func:`check_demo`) before
+anything is written; the closing lines say how far the loss fell, the test set's R@1 against
+chance and where ``summary.png`` and the logs are.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 from pathlib import Path
 from typing import Any
 
-from .synthetic import LANGUAGES3, demo_corpus, make_demo_dataset, make_sonar_dir
+from .startup import check_sources, output_dir_problem
+from .synthetic import (
+    DEMO_LEVELS,
+    DEMO_SOUNDS,
+    LANGUAGES3,
+    demo_corpus,
+    make_demo_dataset,
+    make_sonar_dir,
+)
+
+#: Training clips per class of the demo's set (10 classes: 5 sounds x loud/quiet).
+DEMO_PER_CLASS = 16
 
 #: The demo's options (any option given on the command line or in --config wins).
 DEMO_OPTIONS: dict[str, Any] = {
@@ -32,7 +44,7 @@ DEMO_OPTIONS: dict[str, Any] = {
     "epochs": 30,
     "lr": 3e-3,
     "warmup_steps": 10,
-    "progress": False,
+    "progress": True,
     "plots": True,
 }
 
@@ -47,32 +59,48 @@ def demo_defaults(output_dir: str) -> dict[str, Any]:
     }
 
 
+def check_demo(args: argparse.Namespace) -> None:
+    """Every check that can fail, before the demo writes its data: errors name the
+    ``--output-dir`` typed (not its ``run/`` folder) and the options as given."""
+    root = Path(args.output_dir)
+    data, sonar = root / "data", root / "sonar"
+    check_sources(args, generated=(str(sonar),))
+    if root.exists() and not root.is_dir():
+        raise FileExistsError(f"--output-dir {args.output_dir} is a file, not a directory")
+    if root.is_dir() and not (root / ".demo-ready").is_file():
+        others = sorted(p.name for p in root.iterdir() if p.name not in ("data", "sonar", "run"))
+        if others:
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            raise FileExistsError(
+                f"--output-dir {args.output_dir} is not empty ({shown}) and holds no demo: "
+                "choose a new or empty folder for the demo"
+            )
+    problem = output_dir_problem(
+        root / "run", args, label=f"--output-dir {args.output_dir} (its run/ folder)"
+    )
+    if problem:
+        raise FileExistsError(problem)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    clips = DEMO_PER_CLASS * len(DEMO_SOUNDS) * len(DEMO_LEVELS)
+    uses_demo_set = args.train_manifest == str(data / "train.csv")
+    if uses_demo_set and args.batch_size * world > clips:
+        raise ValueError(
+            f"--batch-size {args.batch_size}: the demo's training set has {clips} clips, fewer "
+            f"than one full batch per process ({world} process(es)); use at most {clips // world}"
+        )
+
+
 def prepare_demo(args: argparse.Namespace) -> None:
-    """Write the demo's data and text encoder under --output-dir (once; they are the same on
-    every call), and send the run itself to ``--output-dir/run``."""
+    """Check every option (:func:`check_demo`), then write the demo's data and text encoder
+    under --output-dir (once; they are the same on every call) and send the run itself to
+    ``--output-dir/run``."""
+    check_demo(args)
     root = Path(args.output_dir)
     data, sonar = root / "data", root / "sonar"
     ready = root / ".demo-ready"
     if not ready.is_file():
         print(f"[demo] writing the synthetic set to {data} and a tiny text encoder to {sonar}")
-        make_demo_dataset(data)
+        make_demo_dataset(data, per_class_train=DEMO_PER_CLASS)
         make_sonar_dir(sonar, lines=demo_corpus(), d_model=64, layers=2, heads=2, ffn=128)
         ready.write_text("ok\n")
     args.output_dir = str(root / "run")
-
-
-def done_line(run: Path, seconds: float) -> str:
-    """``done in ...``: the loss's fall, the test T2A R@1, and where the plots and logs are."""
-    rows = [json.loads(line) for line in (run / "epoch_log.jsonl").read_text().splitlines()]
-    losses = [r["train_loss"] for r in rows if r.get("train_loss") is not None]
-    metrics = rows[-1].get("metrics", {}) if rows else {}
-    r1 = [v for k, v in metrics.items() if k.startswith("per_language/") and k.endswith("/t2a/R@1")]
-    parts = [f"done in {seconds:.0f} s"]
-    if losses:
-        fall = 100 * (1 - losses[-1] / losses[0]) if losses[0] else 0.0
-        parts.append(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f} ({fall:.0f}% lower)")
-    if r1:
-        parts.append(f"test T2A R@1 {sum(r1) / len(r1):.2f} (chance 0.10)")
-    parts.append(f"plots in {run / 'plots'}, logs in {run / 'train_log.csv'}")
-    parts.append(f"{run / 'epoch_log.jsonl'}")
-    return "; ".join(parts[:-1]) + ", " + parts[-1]

@@ -71,6 +71,17 @@ def allreduce_gradients(
     flush()
 
 
+def average_buffers(module: nn.Module, world: int) -> None:
+    """Average every floating-point buffer (BatchNorm running statistics) over the ranks."""
+    if world <= 1:
+        return
+    with torch.no_grad():
+        for buf in module.buffers():
+            if buf.is_floating_point():
+                dist.all_reduce(buf)
+                buf /= world
+
+
 def broadcast_module(module: nn.Module) -> None:
     """Rank 0's parameters and buffers to every rank (what DDP's constructor does)."""
     if not dist.is_initialized():

@@ -22,7 +22,8 @@ from .model import ClapModel
 from .objective import Trainable
 
 
-def _is_r1(key: str) -> bool:
+def is_r1(key: str) -> bool:
+    """A flattened metric key that is an R@1 (not a mean or average of them)."""
     lowered = key.lower().replace("@", "")
     parts = lowered.split("/")
     return (
@@ -51,6 +52,7 @@ class Evaluator:
         self.languages = list(languages)
         self.test_clips = list(test_clips)
         self.out = out
+        self.last_table: Path | None = None  # the latest retrieval table written
 
     def embed_audio(self, clips: Sequence[Clip], max_seconds: float | None) -> Tensor:
         loader = DataLoader(
@@ -115,22 +117,50 @@ class Evaluator:
         key = self.args.select_metric
         if key != "mean_r1":
             return metrics.get(key)
-        r1 = [v for k, v in metrics.items() if _is_r1(k)]
+        r1 = [v for k, v in metrics.items() if is_r1(k)]
         return float(np.mean(r1)) if r1 else None
 
     def report_metrics(self, report: Any, step: int) -> dict[str, float]:
-        """Flattened metrics of ``report``; its table printed and kept in ``eval/``."""
+        """Flattened metrics of ``report``; its table kept in ``eval/`` (``last_table``)."""
         wanted = ("per_language", "average", "mrv")
         if isinstance(report, dict) and all(key in report for key in wanted):
             metrics = flatten_metrics({key: report[key] for key in wanted})
         else:
             metrics = flatten_metrics(report)
+        self.last_table = None
         if hasattr(report, "to_markdown"):
             table = report.to_markdown()
-            print(table)
             (self.out / "eval").mkdir(exist_ok=True)
-            atomic_write_text(self.out / "eval" / f"step-{step:08d}.md", table + "\n")
+            self.last_table = self.out / "eval" / f"step-{step:08d}.md"
+            atomic_write_text(self.last_table, table + "\n")
         return metrics
+
+    def select(
+        self,
+        report: Any,
+        best: float | None,
+        step: int,
+        epoch: int,
+        loss_fn: torch.nn.Module,
+        world: int,
+    ) -> tuple[dict[str, Any], float | None]:
+        """From rank 0's ``report`` (None on the other ranks), keep ``best/`` when the
+        selection metric improves on ``best``; returns the epoch row's evaluation fields and
+        the best value, the same on every rank."""
+        out: dict[str, Any] = {}
+        if report is not None:
+            metrics = self.report_metrics(report, step)
+            value = self.select_value(metrics)
+            out = {"metrics": metrics, "select": value}
+            if value is not None and (best is None or value > best):
+                best = value
+                self.save_best(loss_fn, step, epoch, metrics)
+                out["best"] = True
+        if world > 1:
+            shared: list[Any] = [best]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            best = shared[0]
+        return out, best
 
     def save_best(
         self, loss_fn: torch.nn.Module, step: int, epoch: int, metrics: dict[str, float]

@@ -22,6 +22,7 @@ from .durable import (
     warn,
     write_lines,
 )
+from .log_history import StepHistory
 
 
 def to_float(value: Any) -> float | None:
@@ -52,17 +53,36 @@ def flatten_metrics(obj: Any, prefix: str = "") -> dict[str, float]:
 
 class StepLog:
     """Per-step JSONL + CSV, one appended line per step. On resume the rows after the
-    checkpoint's step are dropped and both files are rewritten at once (temp file + replace):
-    a kill at any moment leaves the old log or the new one."""
+    checkpoint's step are dropped, rows up to it that are missing (a deleted or shortened file)
+    are recreated from the checkpoint's step history with a warning naming the file, and both
+    files are rewritten at once (temp file + replace): a kill at any moment leaves the old log
+    or the new one. :attr:`history` holds the rows for the next checkpoint."""
 
-    def __init__(self, directory: Path, name: str, resume_step: int | None) -> None:
+    def __init__(
+        self, directory: Path, name: str, resume_step: int | None, saved: Any = None
+    ) -> None:
         self.jsonl = directory / f"{name}.jsonl"
         self.csv = directory / f"{name}.csv"
         self.columns: list[str] | None = None
+        self.history = StepHistory()
         if resume_step is None:
             for path in (self.jsonl, self.csv):
                 path.unlink(missing_ok=True)
             return
+        kept = self._rows_up_to(resume_step)
+        self._recreate(kept, resume_step, saved)
+        rows = [kept[step] for step in sorted(kept)]
+        self._check_csv(resume_step, len(rows))
+        write_lines(self.jsonl, [json.dumps(row) + "\n" for row in rows])
+        if rows:
+            self.columns = list(rows[0])
+            write_lines(self.csv, [self._csv_line(None)] + [self._csv_line(r) for r in rows])
+        else:
+            self.csv.unlink(missing_ok=True)
+        for row in rows:
+            self.history.append(row)
+
+    def _rows_up_to(self, resume_step: int) -> dict[int, dict[str, Any]]:
         kept: dict[int, dict[str, Any]] = {}
         for line_no, row in read_jsonl(self.jsonl, with_lines=True):
             step = row.get("step")
@@ -73,15 +93,46 @@ class StepLog:
                 )
             if step <= resume_step:
                 kept[step] = row  # a repeated step (an older trainer's log): the last one wins
-        rows = [kept[step] for step in sorted(kept)]
-        if len(rows) != resume_step and self.jsonl.is_file():
-            warn(f"{self.jsonl}: {resume_step - len(rows)} of steps 1-{resume_step} missing")
-        write_lines(self.jsonl, [json.dumps(row) + "\n" for row in rows])
-        if rows:
-            self.columns = list(rows[0])
-            write_lines(self.csv, [self._csv_line(None)] + [self._csv_line(r) for r in rows])
-        else:
-            self.csv.unlink(missing_ok=True)
+        return kept
+
+    def _recreate(self, kept: dict[int, dict[str, Any]], resume_step: int, saved: Any) -> None:
+        """Fill the steps up to ``resume_step`` missing from ``kept`` from the checkpoint's
+        step history (``saved``), saying so: a resume never continues a shortened log
+        silently."""
+        missing = [step for step in range(1, resume_step + 1) if step not in kept]
+        if not missing:
+            return
+        recorded: dict[int, dict[str, Any]] = {}
+        why = "the checkpoint holds no step history (written by an older trainer)"
+        if saved is not None:
+            try:
+                recorded = StepHistory.from_state(saved).by_step()
+            except ValueError as err:
+                why = f"the checkpoint's step history is not usable ({err})"
+        recreated = [step for step in missing if step in recorded]
+        for step in recreated:
+            kept[step] = recorded[step]
+        lost = len(missing) - len(recreated)
+        found = "missing" if not self.jsonl.exists() else "shorter than the checkpoint's step"
+        message = (
+            f"{self.jsonl}: {found}: {len(missing)} of the {resume_step} rows of steps "
+            f"1-{resume_step} missing; {len(recreated)} recreated from the checkpoint's step "
+            "history"
+        )
+        if lost:
+            message += f", {lost} cannot be: {why}"
+        warn(message)
+
+    def _check_csv(self, resume_step: int, rows: int) -> None:
+        """Warn when the CSV held fewer rows up to ``resume_step`` than it is rewritten with."""
+        had = csv_steps(self.csv, resume_step)
+        if had is None and rows:
+            warn(f"{self.csv}: missing; rewritten from {self.jsonl.name} ({rows} rows)")
+        elif had is not None and had < rows:
+            warn(
+                f"{self.csv}: {rows - had} of the rows of steps 1-{resume_step} missing; "
+                f"rewritten from {self.jsonl.name} ({rows} rows)"
+            )
 
     def _csv_line(self, row: dict[str, Any] | None) -> str:
         assert self.columns is not None
@@ -96,6 +147,7 @@ class StepLog:
             self.columns = list(row)
             write_lines(self.csv, [self._csv_line(None)])
         append_line(self.csv, self._csv_line(row))
+        self.history.append(row)
 
     def sync(self) -> None:
         """fsync both files (before a checkpoint that counts their rows is published)."""
@@ -131,17 +183,65 @@ def step_record(
     return out
 
 
+def csv_steps(path: Path, up_to: int) -> int | None:
+    """How many distinct steps up to ``up_to`` the CSV log holds (None: no such file);
+    unreadable lines count as missing."""
+    if not path.is_file():
+        return None
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    try:
+        reader = csv.reader(lines)
+        header = next(reader, [])
+        column = header.index("step")
+        steps = set()
+        for values in reader:
+            try:
+                step = int(values[column])
+            except (IndexError, ValueError):
+                continue
+            if 1 <= step <= up_to:
+                steps.add(step)
+    except (csv.Error, ValueError):
+        return 0
+    return len(steps)
+
+
+def check_epoch_log(path: Path, history: list[dict[str, Any]], resume_step: int) -> None:
+    """Warn when ``epoch_log.jsonl`` lacks rows of the checkpoint's history (it is then
+    rewritten from the history: nothing continues silently)."""
+    if not history:
+        return
+    try:
+        present = {(r.get("epoch"), r.get("step")) for r in read_jsonl(path)}
+    except ValueError as err:
+        warn(f"{err}; rewritten from the checkpoint's history ({len(history)} rows)")
+        return
+    missing = sum((h.get("epoch"), h.get("step")) not in present for h in history)
+    if missing:
+        found = "missing" if not path.exists() else "shorter than the checkpoint's history"
+        warn(
+            f"{path}: {found}: {missing} of the {len(history)} rows up to step {resume_step} "
+            "missing; recreated from the checkpoint's history"
+        )
+
+
 def open_logs(
-    out: Path, args: Any, resume_step: int | None, history: list[dict[str, Any]]
+    out: Path,
+    args: Any,
+    resume_step: int | None,
+    history: list[dict[str, Any]],
+    step_history: Any = None,
 ) -> StepLog:
-    """The step log (rows after ``resume_step`` dropped), ``epoch_log.jsonl`` rewritten from
-    the checkpoint's history (rows written after it, a kill before the next checkpoint, are
-    dropped, not duplicated) and ``config.json``."""
-    log = StepLog(out, "train_log", resume_step)
+    """The step log (rows after ``resume_step`` dropped, missing ones recreated from
+    ``step_history``, the checkpoint's), ``epoch_log.jsonl`` rewritten from the checkpoint's
+    history (rows written after it, a kill before the next checkpoint, are dropped, not
+    duplicated; rows missing from it are recreated, with a warning) and ``config.json``."""
+    log = StepLog(out, "train_log", resume_step, step_history)
     epoch_log = out / "epoch_log.jsonl"
     if resume_step is None:
         epoch_log.unlink(missing_ok=True)
     else:
+        check_epoch_log(epoch_log, history, resume_step)
         write_lines(epoch_log, [json.dumps(h) + "\n" for h in history])
     atomic_write_text(out / "config.json", json.dumps(vars(args), indent=2, default=str))
     return log

@@ -1,83 +1,259 @@
-"""PNG curves of a run from its logs: loss terms, learning rate and loss parameters per step,
-R@1 per language and direction per epoch."""
+"""PNG plots of a run, from its logs.
+
+``plots/summary.png`` is the one to open first, readable in ten seconds: the training loss (raw
+and smoothed) with its terms; the loss's temperature and radius on their own axes; the test
+set's R@1 per epoch (mean over languages, both directions) against chance; and the final R@1
+per language as bars. Beside it, in more detail: ``loss.png`` (every term, per language
+too), ``retrieval_r1.png`` (R@1 per language, one panel per direction) and
+``lr_and_params.png`` (learning rate and each scalar parameter on its own axis).
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from .durable import read_jsonl
 
+#: Step-log keys drawn as loss parameters (own axes), not as loss terms.
+_PARAM_WORDS = ("temperature", "radius", "scale", "bias", "reliability")
+_DIRECTIONS = {"t2a": "text \u2192 audio", "a2t": "audio \u2192 text"}
 
-def plot_run(out_dir: str | Path) -> list[Path]:
-    """Write ``plots/*.png`` under ``out_dir``; returns the files written."""
+
+def smooth(values: Sequence[float], window: int | None = None) -> np.ndarray:
+    """Trailing moving average (``window`` default: a 15th of the series, at least 3 points),
+    NaNs skipped."""
+    x = np.asarray(values, dtype=float)
+    window = window or max(3, len(x) // 15)
+    out = np.full_like(x, np.nan)
+    for i in range(len(x)):
+        part = x[max(0, i - window + 1) : i + 1]
+        part = part[np.isfinite(part)]
+        if part.size:
+            out[i] = part.mean()
+    return out
+
+
+def _is_param(key: str) -> bool:
+    return key.startswith("param/") or any(w in key.lower() for w in _PARAM_WORDS)
+
+
+def _series(steps: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(row.get(key, float("nan"))) for row in steps]
+
+
+def _present(steps: list[dict[str, Any]], prefix: str) -> list[str]:
+    keys = sorted({k for row in steps for k in row if k.startswith(prefix)})
+    return [k for k in keys if any(np.isfinite(_series(steps, k)))]
+
+
+def r1_by_language(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """``{direction: {language: R@1}}`` from flattened ``per_language/<lang>/<dir>/R@1``."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "per_language" and parts[3] == "R@1":
+            out.setdefault(parts[2], {})[parts[1]] = float(value)
+    return out
+
+
+def _loss_axis(ax: Any, steps: list[dict[str, Any]], per_language: bool) -> None:
+    x = [row["step"] for row in steps]
+    loss = _series(steps, "loss")
+    ax.plot(x, loss, color="tab:blue", lw=0.8, alpha=0.35, label="loss (per step)")
+    ax.plot(x, smooth(loss), color="tab:blue", lw=2.2, label="loss (smoothed)")
+    terms = [k for k in _present(steps, "terms/") if not _is_param(k)]
+    if not per_language:
+        terms = [k for k in terms if k.count("/") == 1]
+    colors = iter(["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive"])
+    for key in terms:
+        ax.plot(
+            x, smooth(_series(steps, key)), lw=1.0, ls="--", color=next(colors, None),
+            label=key.removeprefix("terms/") + " (smoothed)",
+        )  # fmt: skip
+    ax.set_xlabel("training step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+
+
+def _params_axis(ax: Any, steps: list[dict[str, Any]]) -> bool:
+    """Temperature on the left axis, radius (when present) on a right axis of its own."""
+    x = [row["step"] for row in steps]
+    keys = [k for k in _present(steps, "terms/") + _present(steps, "param/") if _is_param(k)]
+    temps = [k for k in keys if "temperature" in k or "scale" in k]
+    radii = [k for k in keys if "radius" in k]
+    if not keys:
+        return False
+    left = temps or [k for k in keys if k not in radii] or radii
+    for key in left:
+        values = _series(steps, key)
+        fixed = " (fixed)" if np.nanmax(values) == np.nanmin(values) else ""
+        ax.plot(x, values, lw=1.5, label=key.split("/", 1)[1] + fixed)
+    ax.set_ylabel(", ".join(k.split("/", 1)[1] for k in left), fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    if radii and left is not radii:
+        right = ax.twinx()
+        for key in radii:
+            label = key.split("/", 1)[1]
+            right.plot(x, _series(steps, key), lw=1.5, ls="--", color="tab:red", label=label)
+        right.set_ylabel("radius", color="tab:red")
+        more_h, more_l = right.get_legend_handles_labels()
+        handles, labels = handles + more_h, labels + more_l
+    ax.legend(handles, labels, fontsize=8, loc="best")
+    ax.set_xlabel("training step")
+    ax.grid(alpha=0.3)
+    return True
+
+
+def _r1_epochs(ax: Any, epochs: list[dict[str, Any]], chance: float | None) -> None:
+    x = [row["epoch"] for row in epochs]
+    both: list[list[float]] = [[] for _ in epochs]
+    for direction, label in _DIRECTIONS.items():
+        ys = []
+        for i, row in enumerate(epochs):
+            values = list(r1_by_language(row["metrics"]).get(direction, {}).values())
+            ys.append(float(np.mean(values)) if values else float("nan"))
+            both[i] += values
+        if any(np.isfinite(ys)):
+            ax.plot(x, ys, marker="o", ms=3, lw=1.2, label=label)
+    ax.plot(
+        x, [float(np.mean(v)) if v else np.nan for v in both], color="black", lw=2.4,
+        label="mean of both",
+    )  # fmt: skip
+    _chance_line(ax, chance)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("R@1 (mean over languages)")
+    ax.legend(fontsize=9, loc="best")
+    ax.grid(alpha=0.3)
+
+
+def _chance_line(ax: Any, chance: float | None) -> None:
+    if chance is not None:
+        ax.axhline(chance, color="gray", ls=":", lw=1.5, label=f"chance ({chance:.2f})")
+
+
+def _final_bars(ax: Any, row: dict[str, Any], chance: float | None) -> None:
+    table = r1_by_language(row["metrics"])
+    languages = sorted({lang for values in table.values() for lang in values})
+    width = 0.8 / max(len(table), 1)
+    xs = np.arange(len(languages))
+    for i, (direction, values) in enumerate(sorted(table.items(), reverse=True)):
+        heights = [values.get(lang, np.nan) for lang in languages]
+        bars = ax.bar(xs + (i - (len(table) - 1) / 2) * width, heights, width,
+                      label=_DIRECTIONS.get(direction, direction))  # fmt: skip
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    _chance_line(ax, chance)
+    ax.set_xticks(xs, [lang.split("_")[0] for lang in languages])
+    ax.set_ylim(0, 1.15)
+    ax.set_ylabel("R@1")
+    ax.legend(fontsize=9, loc="upper right", ncol=3)
+
+
+def summary_figure(plt: Any, out_dir: Path, steps: list, epochs: list, chance: float | None) -> Any:
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    (loss_ax, param_ax), (r1_ax, bar_ax) = axes
+    if steps:
+        _loss_axis(loss_ax, steps, per_language=False)
+        loss_ax.legend(fontsize=9, loc="upper right")
+        first, last = smooth(_series(steps, "loss"))[[0, -1]]
+        loss_ax.set_title(f"Training loss: {first:.2f} \u2192 {last:.2f} (smoothed)")
+        if not _params_axis(param_ax, steps):
+            param_ax.text(0.5, 0.5, "no temperature or radius logged", ha="center")
+        param_ax.set_title("Loss parameters: temperature and radius")
+    if epochs:
+        _r1_epochs(r1_ax, epochs, chance)
+        r1_ax.set_title("TEST SET: R@1 per epoch (higher is better)")
+        _final_bars(bar_ax, epochs[-1], chance)
+        bar_ax.set_title(f"TEST SET: R@1 per language after epoch {epochs[-1]['epoch']}")
+    else:
+        for ax in (r1_ax, bar_ax):
+            ax.text(0.5, 0.5, "no test set (--test-manifest)", ha="center")
+            ax.set_axis_off()
+    headline = [f"Run {out_dir}"]
+    if epochs:
+        both = [v for t in r1_by_language(epochs[-1]["metrics"]).values() for v in t.values()]
+        if both:
+            headline.append(f"final test R@1 {np.mean(both):.2f}")
+            if chance is not None:
+                headline[-1] += f" (chance {chance:.2f})"
+    fig.suptitle("   |   ".join(headline), fontsize=13, fontweight="bold")
+    fig.tight_layout()
+    return fig
+
+
+def plot_run(out_dir: str | Path, chance: float | None = None) -> list[Path]:
+    """Write ``plots/summary.png`` and the detailed plots under ``out_dir``; ``chance`` is the
+    R@1 of a random ranking (1 / test clips), drawn as a line. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     out_dir = Path(out_dir)
     plots = out_dir / "plots"
     plots.mkdir(exist_ok=True)
-    written: list[Path] = []
     steps = read_jsonl(out_dir / "train_log.jsonl")
-    if steps:
-        x = [row["step"] for row in steps]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(x, [row["loss"] for row in steps], label="loss", lw=1.5)
-        for key in sorted({k for row in steps for k in row if k.startswith("terms/")}):
-            values = [row.get(key, float("nan")) for row in steps]
-            if any(v == v for v in values):  # not all NaN
-                ax.plot(x, values, label=key.removeprefix("terms/"), lw=0.8, alpha=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel("value")
-        ax.set_title("training loss and its terms")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(plots / "loss.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-
-        params = sorted({k for row in steps for k in row if k.startswith("param/")})
-        fig, axes = plt.subplots(
-            1, 1 + bool(params), figsize=(7 + 4 * bool(params), 3.5), squeeze=False
-        )
-        axes[0][0].plot(x, [row["lr"] for row in steps])
-        axes[0][0].set_title("learning rate")
-        axes[0][0].set_xlabel("step")
-        if params:
-            for key in params:
-                axes[0][1].plot(
-                    x, [row.get(key) for row in steps], label=key.removeprefix("param/")
-                )
-            axes[0][1].set_title("loss parameters (temperature, radius, ...)")
-            axes[0][1].set_xlabel("step")
-            axes[0][1].legend(fontsize=7)
-        fig.tight_layout()
-        written.append(plots / "lr_and_params.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-
     epochs = [row for row in read_jsonl(out_dir / "epoch_log.jsonl") if row.get("metrics")]
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        written.append(plots / name)
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+
+    if steps or epochs:
+        save(summary_figure(plt, out_dir, steps, epochs, chance), "summary.png")
+    if steps:
+        fig, ax = plt.subplots(figsize=(10, 5))
+        _loss_axis(ax, steps, per_language=True)
+        ax.set_title("Training loss and its terms (terms smoothed)")
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
+        save(fig, "loss.png")
+        save(_lr_and_params(plt, steps), "lr_and_params.png")
     if epochs:
-        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        for row in epochs:
-            for key, value in row["metrics"].items():
-                lowered = key.lower().replace("@", "")
-                if any(part in ("r1", "recall1", "r_1") for part in lowered.split("/")):
-                    series[key].append((row["epoch"], value))
-        if series:
-            fig, ax = plt.subplots(figsize=(8, 4.5))
-            for key, points in sorted(series.items()):
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key, lw=1)
-            ax.set_xlabel("epoch")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel("R@1")
-            ax.set_title("retrieval R@1 per language and direction")
-            ax.legend(fontsize=6, ncol=2)
-            fig.tight_layout()
-            written.append(plots / "retrieval_r1.png")
-            fig.savefig(written[-1], dpi=110)
-            plt.close(fig)
+        save(_retrieval(plt, epochs, chance), "retrieval_r1.png")
     return written
+
+
+def _lr_and_params(plt: Any, steps: list[dict[str, Any]]) -> Any:
+    x = [row["step"] for row in steps]
+    keys = [k for k in _present(steps, "terms/") + _present(steps, "param/") if _is_param(k)]
+    fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4.5 * (1 + len(keys)), 3.6), squeeze=False)
+    axes[0][0].plot(x, _series(steps, "lr"), color="tab:green")
+    axes[0][0].set_title("learning rate")
+    for ax, key in zip(axes[0][1:], keys, strict=True):
+        ax.plot(x, _series(steps, key))
+        ax.set_title(key.split("/", 1)[1])
+    for ax in axes[0]:
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _retrieval(plt: Any, epochs: list[dict[str, Any]], chance: float | None) -> Any:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    x = [row["epoch"] for row in epochs]
+    for ax, (direction, label) in zip(axes, _DIRECTIONS.items(), strict=True):
+        tables = [r1_by_language(row["metrics"]).get(direction, {}) for row in epochs]
+        for lang in sorted({lang for t in tables for lang in t}):
+            ax.plot(x, [t.get(lang, np.nan) for t in tables], marker="o", ms=3, lw=1, label=lang)
+        means = [float(np.mean(list(t.values()))) if t else np.nan for t in tables]
+        ax.plot(x, means, color="black", lw=2.4, label="mean")
+        _chance_line(ax, chance)
+        ax.set_title(f"TEST SET R@1, {label}")
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9, loc="upper left")
+    axes[0].set_ylabel("R@1")
+    fig.tight_layout()
+    return fig

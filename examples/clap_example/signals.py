@@ -13,6 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 SCRIPT = Path(__file__).resolve().parents[1] / "finetune_ced_sonar.py"
 
 
@@ -24,6 +27,15 @@ class StopSignals:
         self.is_main = is_main
         self.restart_point = restart_point
         self.signum: int | None = None
+
+    def agreed(self, world: int, device: Any) -> int:
+        """The signal every rank acts on (0: none): one rank's signal stops them all at the
+        same step."""
+        flag = torch.tensor(float(self.signum or 0))
+        if world > 1:
+            flag = flag.to(device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     def handler(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name

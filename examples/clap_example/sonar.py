@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .sources import HubRepo, hub_snapshot, locate
+
 #: The eight languages of the papers' multilingual AudioCaps/Clotho, English first.
 PAPER_LANGUAGES: tuple[str, ...] = (
     "eng_Latn",
@@ -175,16 +177,14 @@ def tokenize_multilingual(
 
 
 def _resolve_dir(name_or_path: str | os.PathLike[str]) -> Path:
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ValueError(f"sonar: {path} is a file; pass the directory holding config.json")
-    if str(name_or_path).count("/") == 1 and not str(name_or_path).startswith((".", "/")):
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(name_or_path)))
-    raise FileNotFoundError(f"sonar: {name_or_path} is neither a directory nor a hub id")
+    """A local directory, or a hub repository asked for as ``hf:owner/name`` (see
+    :mod:`clap_example.sources`)."""
+    where = locate(name_or_path, "sonar")
+    if isinstance(where, HubRepo):
+        return hub_snapshot(where, "sonar")
+    if not where.is_dir():
+        raise ValueError(f"sonar: {where} is a file; pass the directory holding config.json")
+    return where
 
 
 _ENCODER_PREFIXES = ("model.encoder.", "encoder.", "")
@@ -244,16 +244,17 @@ def load_sonar_encoder(
     max_length: int = 128,
     config_overrides: dict[str, Any] | None = None,
 ) -> SonarTextEncoder:
-    """Build the SONAR text encoder from a directory (or hub id) with ``config.json`` + tokenizer.
+    """Build the SONAR text encoder from a directory (or ``hf:owner/name``) with ``config.json``,
+    weights and tokenizer.
 
     With ``weights=False`` the encoder is randomly initialised from the directory's config
     (tests, or training from scratch). Layer drop is forced to 0 unless overridden (it leaves
     parameters unused in a step, which DDP rejects).
     """
+    directory = _resolve_dir(name_or_path)  # a missing path fails before the imports below
     from transformers import M2M100Config
     from transformers.models.m2m_100.modeling_m2m_100 import M2M100Encoder
 
-    directory = _resolve_dir(name_or_path)
     config = M2M100Config.from_pretrained(str(directory))
     config.encoder_layerdrop = 0.0
     for key, value in (config_overrides or {}).items():

@@ -4,6 +4,7 @@ manifests, batch size, audio, models), then the output directory itself."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from .board import summary_writer_class
 from .ced import CEDAudioEncoder, CEDConfig, load_ced_checkpoint
+from .console import progress_bar
 from .data import (
     Clip,
     EpochBatchSampler,
@@ -31,6 +34,7 @@ from .durable import TMP_PREFIX, remove_tree
 from .model import ClapModel, load_mlclap_checkpoint
 from .objective import text_mode
 from .sonar import load_sonar_encoder
+from .sources import HubRepo, locate
 
 #: What a run writes in --output-dir (what --overwrite deletes).
 ARTEFACTS = (
@@ -43,6 +47,7 @@ ARTEFACTS = (
     "epoch_log.jsonl",
     "summary.json",
     "config.json",
+    "tensorboard",
 )
 
 
@@ -98,16 +103,40 @@ def read_data(args: argparse.Namespace, rank: int, world: int) -> RunData:
     )
 
 
-def output_dir_problem(out: Path, args: argparse.Namespace) -> str | None:
-    """Why ``out`` cannot be used as it is (a file; not empty without --resume/--overwrite)."""
+def check_sources(args: argparse.Namespace, generated: tuple[str, ...] = ()) -> None:
+    """The weights' sources, the CED options and --tensorboard, checked in a blink before
+    anything is read or written: ``--ced-checkpoint``, ``--sonar`` and ``--mlclap-checkpoint``
+    exist locally or are hub repositories asked for (``hf:owner/name``, see ``sources``);
+    ``generated`` lists the paths the demo is about to write."""
+    if args.tensorboard:
+        summary_writer_class()
+    for option, value in (
+        ("--ced-checkpoint", args.ced_checkpoint),
+        ("--sonar", args.sonar),
+        ("--mlclap-checkpoint", args.mlclap_checkpoint),
+    ):
+        if value is None or str(value) in generated:
+            continue
+        if isinstance(locate(value, option), HubRepo) and option == "--mlclap-checkpoint":
+            raise ValueError(f"{option} {value}: expected a local pretrain.pt file")
+    try:
+        CEDConfig.from_dict({"size": args.ced_size, **args.ced_config})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--ced-config {json.dumps(args.ced_config)}: {err}") from err
+
+
+def output_dir_problem(out: Path, args: argparse.Namespace, label: str | None = None) -> str | None:
+    """Why ``out`` cannot be used as it is (a file; not empty without --resume/--overwrite);
+    ``label`` names it as the user typed it (default ``--output-dir OUT``)."""
+    label = label or f"--output-dir {out}"
     if out.exists() and not out.is_dir():
-        return f"--output-dir {out} is a file, not a directory"
+        return f"{label} is a file, not a directory"
     if out.is_dir():
         entries = sorted(p.name for p in out.iterdir())
         if entries and not args.resume and not args.overwrite:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             return (
-                f"--output-dir {out} is not empty ({shown}): pass --resume auto to "
+                f"{label} is not empty ({shown}): pass --resume auto to "
                 "continue the run in it, --overwrite to delete its logs and "
                 "checkpoints and start afresh, or choose another --output-dir"
             )
@@ -215,8 +244,6 @@ def epoch_loader(
     is_main: bool,
 ) -> tuple[DataLoader, Any]:
     """The loader of ``epoch``'s remaining batches and its progress bar."""
-    from tqdm.auto import tqdm
-
     train_set.set_epoch(epoch)
     sampler.set_epoch(epoch, batch_in_epoch)
     loader = DataLoader(
@@ -229,11 +256,8 @@ def epoch_loader(
         # global RNG: creating the iterator after a resume must not shift dropout.
         generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch),
     )
-    bar = tqdm(
-        total=steps_per_epoch,
-        initial=batch_in_epoch,
-        desc=f"epoch {epoch + 1}/{args.epochs}",
-        disable=not (is_main and args.progress),
-        dynamic_ncols=True,
-    )
+    bar = progress_bar(
+        steps_per_epoch, batch_in_epoch, f"epoch {epoch + 1}/{args.epochs}",
+        enabled=is_main and bool(args.progress),
+    )  # fmt: skip
     return loader, bar

@@ -1,8 +1,10 @@
 """The training loop: DDP, AMP, GradCache, logging, evaluation, checkpoints and exact resume.
 
 What happens around the loop lives beside it: ``startup`` (checks before any folder is
-created), ``checkpoint`` (manifest, save, verify, resume, prune), ``evaluation``,
-``objective`` (the loss and the captions a step encodes), ``logs``, ``signals`` and
+created), ``sources`` (local paths, or the hub when asked), ``checkpoint`` (manifest, save,
+verify, resume, prune), ``evaluation``, ``objective`` (the loss and the captions a step
+encodes), ``update`` (the guarded optimizer step), ``logs``, ``board`` (TensorBoard),
+``console`` (progress, epoch lines, the closing block), ``plots``, ``signals`` and
 ``distributed``.
 """
 
@@ -15,7 +17,6 @@ import random
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,10 @@ from .checkpoint import (
     rng_state,
 )
 from .config import parse_args
+from .console import closing_lines, epoch_line
 from .distributed import (
     allreduce_gradients,
+    average_buffers,
     broadcast_module,
     from_main,
     init_distributed,
@@ -62,11 +65,13 @@ from .startup import (
     build_model,
     build_optimizer,
     check_clips,
+    check_sources,
     epoch_loader,
     lr_factor,
     prepare_output_dir,
     read_data,
 )
+from .update import guarded_update
 
 # Re-exported: the names tests and users import from here.
 _Trainable = Trainable
@@ -144,6 +149,7 @@ class Trainer:
         self.batch_in_epoch = 0
         self.best: float | None = None
         self.history: list[dict[str, Any]] = []
+        self.saved_step_log: Any = None  # the checkpoint's step rows (logs.StepHistory)
         self.bank_epoch: int | None = None
         self.epoch_losses: list[float] = []  # finite losses since the last epoch row
         self.epoch_elapsed = 0.0  # training seconds of the current epoch
@@ -157,7 +163,16 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
         resume_step = self._restore(point) if point is not None else None
-        self.log = open_logs(self.out, args, resume_step, self.history) if self.is_main else None
+        self.log = (
+            open_logs(self.out, args, resume_step, self.history, self.saved_step_log)
+            if self.is_main
+            else None
+        )
+        self.board = None
+        if self.is_main and args.tensorboard:
+            from .board import ScalarBoard
+
+            self.board = ScalarBoard(self.out / "tensorboard", resume_step)
 
     @property
     def stop_signal(self) -> int | None:
@@ -184,6 +199,7 @@ class Trainer:
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.best = state["best"]
         self.history = list(state["history"])
+        self.saved_step_log = state.get("step_log")
         self.bank_epoch = state.get("bank_epoch")
         self.epoch_losses = list(state.get("epoch_losses", []))
         self.epoch_elapsed = float(state.get("epoch_elapsed", 0.0))
@@ -238,41 +254,16 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(value)  # NaN/Inf on any rank makes every rank skip
             value /= self.world
-        # NaN guard: a non-finite loss or gradient never reaches the weights. Under fp16 the
-        # GradScaler skips overflowing steps itself and lowers its scale; those count as
-        # non-finite only once the scale has fallen below 1 (then it is not an overflow).
-        grad_norm = torch.tensor(float("nan"))
-        skipped = counted = not bool(torch.isfinite(value))
-        if not skipped:
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.params, args.grad_clip if args.grad_clip > 0 else float("inf")
-            )
-            skipped = not bool(torch.isfinite(grad_norm))
-            counted = skipped and not (self.scaler.is_enabled() and self.scaler.get_scale() >= 1)
-            if not skipped or self.scaler.is_enabled():
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for tensor, old in zip(running, saved_stats, strict=True):
-                    tensor.copy_(old)
-        self.nonfinite_in_row = self.nonfinite_in_row + 1 if counted else 0
-        self.nonfinite_total += int(counted)
-        with warnings.catch_warnings():
-            # A skipped first step: the schedule follows the step count, skipped steps
-            # included, so stepping it before any optimizer.step() is what we want.
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
-            self.scheduler.step()
-        if self.grad_cache and self.world > 1:
-            with torch.no_grad():
-                for buf in self.trainable.buffers():
-                    if buf.is_floating_point():
-                        dist.all_reduce(buf)
-                        buf /= self.world
-        out = step_record(value, grad_norm, terms, self.loss_fn, self.languages)
-        out.update(lr=lr, captions=float(len(texts)), skipped=int(skipped))
+        done = guarded_update(
+            value, self.params, self.optimizer, self.scaler, self.scheduler, args.grad_clip,
+            running, saved_stats,
+        )  # fmt: skip
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if done.counted else 0
+        self.nonfinite_total += int(done.counted)
+        if self.grad_cache:  # no DDP: the ranks' running statistics are averaged here
+            average_buffers(self.trainable, self.world)
+        out = step_record(value, done.grad_norm, terms, self.loss_fn, self.languages)
+        out.update(lr=lr, captions=float(len(texts)), skipped=int(done.skipped))
         out["nonfinite_steps"] = self.nonfinite_total
         return out
 
@@ -314,10 +305,12 @@ class Trainer:
                 if not finished and self.batch_in_epoch < self.steps_per_epoch:
                     self._train_epoch(epoch)
                 self._close_epoch(epoch)
+        if self.board is not None:
+            self.board.close()
         if self.is_main and args.plots:
             from .plots import plot_run
 
-            plot_run(self.out)
+            plot_run(self.out, chance=1 / len(self.test_clips) if self.test_clips else None)
         result = {
             "step": self.step,
             "epoch": self.epoch,
@@ -360,6 +353,8 @@ class Trainer:
                 row.update(record)
                 row["step_time"] = time.time() - t0
                 self.log.write(row)
+                if self.board is not None:
+                    self.board.step(row)
             self.epoch_elapsed = time.time() - started
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
@@ -399,27 +394,19 @@ class Trainer:
         self.epoch_elapsed = 0.0
         if self.is_main:
             append_line(self.out / "epoch_log.jsonl", json.dumps(summary) + "\n")
-            print(
-                f"[epoch {epoch + 1}] "
-                + ", ".join(
-                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in summary.items()
-                    if k != "metrics"
-                )
-            )
+            if self.board is not None:
+                self.board.epoch(summary)
+            table = self.evaluator.last_table if summary.get("metrics") else None
+            print(epoch_line(summary, self.args.epochs, table), flush=True)
         self.save_checkpoint()
         self._exit_if_signalled(saved=True)
 
     # --- signals --------------------------------------------------------------------------
 
     def _exit_if_signalled(self, saved: bool) -> None:
-        flag = torch.tensor(float(self.stop.signum or 0))
-        if self.world > 1:  # every rank stops at the same step, even if one got the signal
-            flag = flag.to(self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+        signum = self.stop.agreed(self.world, self.device)
+        if not signum:
             return
-        signum = int(flag.item())
         if not saved:
             self.save_checkpoint()
         if self.is_main:
@@ -447,19 +434,10 @@ class Trainer:
     def _evaluate_and_select(self) -> dict[str, Any]:
         if not self.test_clips:
             return {}
-        out: dict[str, Any] = {}
-        if self.is_main:
-            metrics = self.evaluator.report_metrics(self.evaluate(), self.step)
-            value = self.evaluator.select_value(metrics)
-            out = {"metrics": metrics, "select": value}
-            if value is not None and (self.best is None or value > self.best):
-                self.best = value
-                self.evaluator.save_best(self.loss_fn, self.step, self.epoch + 1, metrics)
-                out["best"] = True
-        if self.world > 1:
-            shared: list[Any] = [self.best]
-            dist.broadcast_object_list(shared, src=0)
-            self.best = shared[0]
+        report = self.evaluate() if self.is_main else None
+        out, self.best = self.evaluator.select(
+            report, self.best, self.step, self.epoch + 1, self.loss_fn, self.world
+        )
         return out
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -478,6 +456,7 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "best": self.best,
             "history": self.history,
+            "step_log": self.log.history.state_dict() if self.log is not None else None,
             "bank_epoch": self.bank_epoch,
             "epoch_losses": list(self.epoch_losses),
             "epoch_elapsed": self.epoch_elapsed,
@@ -524,15 +503,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.demo:
         from .demo import prepare_demo
 
-        prepare_demo(args)
+        prepare_demo(args)  # checks every option before it writes anything
+    else:
+        check_sources(args)
     started = time.time()
     trainer = Trainer(args, argv)
     try:
         result = trainer.fit()
-        if args.demo and trainer.is_main and not trainer.already_complete:
-            from .demo import done_line
-
-            print(done_line(trainer.out, time.time() - started), flush=True)
+        if trainer.is_main and not trainer.already_complete:
+            seconds = time.time() - started
+            title = "demo" if args.demo else "run"
+            lines = closing_lines(trainer.out, seconds, len(trainer.test_clips), title)
+            print("\n".join(lines), flush=True)
         return result
     finally:
         # DDP's reducer must be freed while its process group is alive: destroyed the

@@ -535,11 +535,13 @@ class SupportVectorRegularizer(nn.Module):
 
     .. math::
 
-        \mathcal{L} = \mathcal{L}_{base}
+        \begin{aligned}
+        \mathcal{L} &= \mathcal{L}_{base}
             + \alpha\,\mathcal{L}_{svr} + \beta\,\mathcal{L}_{con}, \qquad
-        \mathcal{L}_{svr} = \tfrac12 \textstyle\sum_{d} \mathcal{L}_{svr}^{d}, \qquad
-        \mathcal{L}_{con} = \tfrac12 \textstyle\sum_{d} \operatorname{mean}_i\big(
+        \mathcal{L}_{svr} = \tfrac12 \textstyle\sum_{d} \mathcal{L}_{svr}^{d}, \\
+        \mathcal{L}_{con} &= \tfrac12 \textstyle\sum_{d} \operatorname{mean}_i\big(
             \mathrm{ReLU}(R_i - \lVert a_i - t_i\rVert) + \mathrm{ReLU}(-R_i)\big),
+        \end{aligned}
 
     where :math:`d` runs over the directions used (text anchors for
     ``direction="uni"``; text and audio anchors for ``"bi"``) and
@@ -574,10 +576,12 @@ class SupportVectorRegularizer(nn.Module):
 
     .. math::
 
+        \begin{aligned}
         \frac{\partial \ell}{\partial R}
-        = \frac{1}{\tau}\sum_j P_j \langle \hat u, a_j - a^+\rangle
-        = -\frac{1}{\tau d}\sum_{j \ne +} P_j \langle a^+ - t,\ a^+ - a_j\rangle,
+        &= \frac{1}{\tau}\sum_j P_j \langle \hat u, a_j - a^+\rangle \\
+        &= -\frac{1}{\tau d}\sum_{j \ne +} P_j \langle a^+ - t,\ a^+ - a_j\rangle,
         \qquad d = \lVert a^+ - t\rVert,
+        \end{aligned}
 
     with :math:`P` the softmax at the support vector; the row is convex in :math:`R`.
     :math:`\langle a^+ - t, a^+ - a_j\rangle = (1 - \langle a^+, a_j\rangle) -

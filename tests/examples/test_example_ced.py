@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from clap_example.ced import (
     CED_SIZES,
     CEDAudioEncoder,
@@ -232,9 +233,9 @@ def test_padding_does_not_change_the_embedding() -> None:
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
 
 
-def test_long_input_is_the_mean_of_its_chunks() -> None:
+def test_masked_rule_is_the_mean_of_its_masked_chunks() -> None:
     torch.manual_seed(0)
-    config = CEDConfig(**TINY, target_length=160)  # 1.6 s chunks keep the test fast
+    config = CEDConfig(**TINY, target_length=160, long_clip="masked")  # 1.6 s chunks
     model = CEDAudioEncoder(config).eval()
     wave = torch.randn(2, 16000 * 4)  # 401 frames: chunks of 160, 160, 81 (+ padding)
     out = model(wave)
@@ -261,3 +262,127 @@ def test_too_short_input_is_a_clear_error() -> None:
     model = CEDAudioEncoder(CEDConfig(**TINY))
     with pytest.raises(ValueError, match="fewer than one patch"):
         model(torch.randn(1, 1000))
+
+
+# --- long clips: the reference's chunk rule ----------------------------------------------------
+
+
+def plain_ced_tokens(enc: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The CED transformer written out: ``(N, 1, M, T)`` normalised log-mel -> tokens, no mask
+    (strided conv patches, time + frequency position embeddings, pre-norm blocks with the
+    reference's explicit ``softmax(q k^T / sqrt(d)) v`` attention, final LayerNorm)."""
+    h = F.conv2d(x, enc.patch_embed.proj.weight, enc.patch_embed.proj.bias, stride=16)
+    h = h + enc.time_pos_embed[..., : h.shape[-1]] + enc.freq_pos_embed
+    h = h.flatten(2).transpose(1, 2)  # (N, F*T, D), frequency-major
+    n, length, dim = h.shape
+    for blk in enc.blocks:
+        heads = blk.attn.num_heads
+        y = F.layer_norm(h, (dim,), blk.norm1.weight, blk.norm1.bias, 1e-6)
+        qkv = F.linear(y, blk.attn.qkv.weight, blk.attn.qkv.bias)
+        q, k, v = qkv.reshape(n, length, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+        attn = ((q @ k.transpose(-2, -1)) * (dim // heads) ** -0.5).softmax(-1)
+        y = (attn @ v).transpose(1, 2).reshape(n, length, dim)
+        h = h + F.linear(y, blk.attn.proj.weight, blk.attn.proj.bias)
+        y = F.layer_norm(h, (dim,), blk.norm2.weight, blk.norm2.bias, 1e-6)
+        y = F.linear(F.gelu(F.linear(y, blk.mlp.fc1.weight, blk.mlp.fc1.bias)), blk.mlp.fc2.weight)
+        h = h + y + blk.mlp.fc2.bias
+    return F.layer_norm(h, (dim,), enc.norm.weight, enc.norm.bias, 1e-6)
+
+
+def reference_chunks(model: CEDAudioEncoder, wave: torch.Tensor, target: int) -> torch.Tensor:
+    """The CED repository's ``forward_spectrogram`` on ONE clip ``(S,)``, written from its
+    behaviour: ``init_bn``; at most ``target`` frames -> encoded as they are; longer -> split
+    into ``target`` chunks, a short last chunk zero-padded, a full last chunk dropped (the
+    reference's ``torch.stack(splits[:-1])``); no mask; returns the chunks' mean-pooled
+    embeddings ``(C, D)`` (the clip's embedding is their plain mean)."""
+    log_mel = model.front_end(wave.unsqueeze(0))  # (1, M, T): the clip alone
+    bn = model.encoder.init_bn
+    x = (log_mel - bn.running_mean[:, None]) / torch.sqrt(bn.running_var[:, None] + bn.eps)
+    x = (x * bn.weight[:, None] + bn.bias[:, None]).unsqueeze(1)  # (1, 1, M, T)
+    if x.shape[-1] <= target:
+        return plain_ced_tokens(model.encoder, x).mean(1)
+    splits = list(x.split(target, -1))
+    if splits[-1].shape[-1] < target:
+        pad = torch.zeros(*x.shape[:-1], target, dtype=x.dtype)
+        pad[..., : splits[-1].shape[-1]] = splits[-1]
+        splits[-1] = pad
+    else:
+        splits = splits[:-1]
+    return plain_ced_tokens(model.encoder, torch.cat(splits, 0)).mean(1)
+
+
+def random_ced(config: CEDConfig) -> CEDAudioEncoder:
+    """float64, eval mode, init_bn with non-trivial statistics (so zero-padding after it is not
+    zero-padding before it)."""
+    torch.manual_seed(0)
+    model = CEDAudioEncoder(config).double().eval()
+    with torch.no_grad():
+        bn = model.encoder.init_bn
+        bn.running_mean.copy_(torch.randn(64, dtype=torch.float64) * 5 - 40)
+        bn.running_var.copy_(torch.rand(64, dtype=torch.float64) * 50 + 10)
+        bn.weight.copy_(torch.rand(64, dtype=torch.float64) + 0.5)
+        bn.bias.copy_(torch.randn(64, dtype=torch.float64))
+    return model
+
+
+def wave_of_frames(frames: int, seed: int) -> torch.Tensor:
+    """A clip whose centred STFT has exactly ``frames`` frames (hop 160)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((frames - 1) * 160, generator=g, dtype=torch.float64)
+
+
+# tiny: CED-Tiny's width (192) and heads (3) with 3 of its 12 blocks; base: CED-Base's width
+# (768) and heads (12) with 1 of its 12 blocks (the chunk rule does not depend on depth; 12
+# float64 blocks take minutes on 2 cores).
+# The mixed batch: a clip under one chunk (masked in the batch), an exact multiple, short tails.
+LONG_CLIP_SHAPES = {
+    "tiny": ({**CED_SIZES["tiny"], "depth": 3}, [1500, 700, 2024, 1013, 2501]),
+    "base": ({**CED_SIZES["base"], "depth": 1}, [1500, 700, 2024]),
+}
+LONG_FRAMES = (1012, 1013, 1500, 2024, 2501)
+
+
+@pytest.mark.parametrize("shape", sorted(LONG_CLIP_SHAPES))
+def test_long_clips_equal_the_reference_rule(shape: str) -> None:
+    sizes, frames = LONG_CLIP_SHAPES[shape]
+    model = random_ced(CEDConfig(**sizes, with_head=True, outputdim=5))
+    assert model.config.long_clip == "reference"  # the default
+    with torch.no_grad():
+        for i, n in enumerate(LONG_FRAMES):
+            wave = wave_of_frames(n, seed=i)
+            chunks = reference_chunks(model, wave, 1012)
+            expected_chunks = {1012: 1, 1013: 2, 1500: 2, 2024: 1, 2501: 3}[n]
+            assert chunks.shape[0] == expected_chunks
+            got = model(wave.unsqueeze(0))[0]
+            torch.testing.assert_close(got, chunks.mean(0), atol=1e-6, rtol=1e-6)
+            probs = torch.sigmoid(model.outputlayer(chunks)).mean(0)  # per-chunk probabilities
+            torch.testing.assert_close(
+                model.classify(wave.unsqueeze(0))[0], probs, atol=1e-6, rtol=1e-6
+            )
+        # A batch of mixed lengths, padded with zeros: each clip as it is alone.
+        waves = [wave_of_frames(n, seed=10 + i) for i, n in enumerate(frames)]
+        lengths = torch.tensor([w.shape[0] for w in waves])
+        batch = torch.zeros(len(waves), int(lengths.max()), dtype=torch.float64)
+        for row, w in zip(batch, waves, strict=True):
+            row[: w.shape[0]] = w
+        expected = torch.stack([reference_chunks(model, w, 1012).mean(0) for w in waves])
+        torch.testing.assert_close(model(batch, lengths), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_masked_rule_differs_only_past_one_chunk() -> None:
+    config = CEDConfig(**TINY)
+    reference = random_ced(config)
+    masked = random_ced(CEDConfig(**TINY, long_clip="masked"))
+    masked.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        short = wave_of_frames(1012, seed=0).unsqueeze(0)
+        torch.testing.assert_close(masked(short), reference(short))
+        long = wave_of_frames(1013, seed=0).unsqueeze(0)  # 1 real frame in the 2nd chunk
+        first = wave_of_frames(1012, seed=0)  # masked: the 1-frame chunk is skipped
+        torch.testing.assert_close(masked(long), masked(first.unsqueeze(0)), atol=1e-6, rtol=0)
+        assert not torch.allclose(reference(long), masked(long), atol=1e-3)
+
+
+def test_unknown_long_clip_rule_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="long_clip"):
+        CEDConfig(long_clip="mean")

@@ -49,8 +49,16 @@ def test_the_demo_learns_on_cpu(tmp_path: Path) -> None:
     seconds = time.time() - started
     assert result.returncode == 0, result.stderr[-3000:]
     assert seconds < 300
-    last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("done") and str(out) in last, last
+    lines = result.stdout.strip().splitlines()
+    tail = lines[-10:]  # the closing block says what happened
+    closing = lines[[i for i, line in enumerate(lines) if line.startswith("demo finished")][-1] :]
+    assert closing == tail[-len(closing) :] and len(closing) <= 10, tail
+    text = "\n".join(closing)
+    assert "training loss" in text and "chance 0.10" in text, text
+    assert str(out / "run" / "plots" / "summary.png") in text, text
+    epoch_lines = [line for line in lines if line.startswith("epoch ")]
+    assert len(epoch_lines) == 30, epoch_lines  # one line per epoch, no tables
+    assert not any(line.startswith("|") for line in lines)
     epochs = [
         json.loads(line) for line in (out / "run" / "epoch_log.jsonl").read_text().splitlines()
     ]
@@ -59,7 +67,7 @@ def test_the_demo_learns_on_cpu(tmp_path: Path) -> None:
     metrics = epochs[-1]["metrics"]
     t2a = [v for k, v in metrics.items() if k.endswith("/t2a/R@1") and "per_language" in k]
     assert len(t2a) == 3 and sum(t2a) / len(t2a) >= 0.4, t2a
-    assert (out / "run" / "plots").is_dir()
+    assert (out / "run" / "plots" / "summary.png").is_file()
 
 
 def test_the_demo_is_the_command_after_the_install_in_the_readme() -> None:

@@ -156,8 +156,9 @@ def test_resume_reproduces_the_following_steps(
     assert len(full) == 8
     run(tmp_path, noisy, "resumed", resume=str(tmp_path / "full" / "checkpoints" / "step-00000003"))
     resumed = steps(tmp_path / "resumed")
-    assert [r["step"] for r in resumed] == [4, 5, 6, 7, 8]
-    for a, b in zip(full[3:], resumed, strict=True):
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert resumed[:3] == full[:3]  # a new folder: rows 1-3 recreated from the checkpoint
+    for a, b in zip(full[3:], resumed[3:], strict=True):
         assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
         assert a["grad_norm"] == b["grad_norm"]
         assert a["lr"] == b["lr"]
@@ -193,8 +194,9 @@ def test_ask_bank_is_refreshed_and_restored_on_resume(
     assert not torch.equal(first["bank"]["audio"], second["bank"]["audio"])  # re-encoded
     run(tmp_path, values, "resumed", resume=str(checkpoints / "step-00000005"))
     full, resumed = steps(tmp_path / "full"), steps(tmp_path / "resumed")
-    assert [r["step"] for r in resumed] == [6, 7, 8]
-    for a, b in zip(full[5:], resumed, strict=True):
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert resumed[:5] == full[:5]  # a new folder: rows 1-5 recreated from the checkpoint
+    for a, b in zip(full[5:], resumed[5:], strict=True):
         assert a["loss"] == b["loss"]
 
 
