@@ -20,6 +20,13 @@ On CPU a host sync is nearly free (the "device" is the host), so checks-off vs c
 here measures the work of the checks themselves (a norm pass and a few reductions),
 not the stall a sync causes on a GPU, where the CPU can no longer run ahead of the
 kernels. ``--quick`` (``B = 24``, a few repeats) only checks that the script runs.
+
+The training loop: the one-call figures reuse the same input tensors, which a compiled
+function may guard on; a real loop feeds new tensors every step. So each loss also runs
+as the steady-state step of a loop (two ``nn.Linear(D, D)`` encoders on a new batch each
+step, the loss, backward, an SGD step), eager with the checks on against the compiled
+loss (the graph compiled above, counted: ``loop recompiles`` must be 0), interleaved,
+medians, at least 20 steps each.
 """
 
 from __future__ import annotations
@@ -107,13 +114,48 @@ def _step(loss_fn: Any, inputs: list[torch.Tensor]) -> Callable[[], None]:
     return step
 
 
+class CountingBackend:
+    """The inductor backend, counting the graphs it compiles (a recompile is a second)."""
+
+    def __init__(self) -> None:
+        self.inner = torch._dynamo.lookup_backend("inductor")
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+def _loop_step(loss_fn: Any, pool: list[list[torch.Tensor]]) -> Callable[[], None]:
+    """One step of a training loop: fresh non-leaf embeddings from two linear encoders
+    (a new batch of the ``pool`` each step), the loss, backward, an optimizer step."""
+    torch.manual_seed(1)
+    encoders = [torch.nn.Linear(D, D), torch.nn.Linear(D, D)]
+    params = [p for m in encoders for p in m.parameters()]
+    if isinstance(loss_fn, torch.nn.Module):
+        params += list(loss_fn.parameters())
+    opt = torch.optim.SGD(params, lr=1e-4)
+    count = iter(range(1 << 62))
+
+    def step() -> None:
+        raw = pool[next(count) % len(pool)]
+        opt.zero_grad(set_to_none=True)
+        loss_fn(encoders[0](raw[0]), encoders[1](raw[1]), *raw[2:]).backward()
+        opt.step()
+
+    return step
+
+
 def bench(name: str, batch: int, repeats: int, min_time: float) -> dict[str, object]:
+    """One call on the same leaves (``checks on``/``off``/``compiled``), then the
+    steady-state step of a training loop, eager (checks on) and compiled."""
     build, make_inputs = LOSSES[name]
     inputs = make_inputs(batch, torch.Generator().manual_seed(batch))
     torch.manual_seed(0)
     checked, unchecked, to_compile = build(True), build(False), build(True)
     torch._dynamo.reset()
-    compiled = torch.compile(to_compile, fullgraph=True, dynamic=False)
+    counter = CountingBackend()
+    compiled = torch.compile(to_compile, fullgraph=True, dynamic=False, backend=counter)
     compiled_step = _step(compiled, inputs)
     t0 = time.perf_counter()
     compiled_step()  # compiles forward and backward
@@ -126,6 +168,16 @@ def bench(name: str, batch: int, repeats: int, min_time: float) -> dict[str, obj
     times = interleaved_times(steps, repeats, min_time=min_time, warmup=1.0, alternate=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     ref = med["eager, checks on"]
+    # The loop: every step new embeddings (new tensor objects), as in training; the
+    # compiled loss must serve them all with the graph compiled above.
+    g = torch.Generator().manual_seed(batch + 1)
+    pool = [make_inputs(batch, g) for _ in range(4)]
+    graphs_before = counter.graphs
+    loops = {"loop, eager": _loop_step(checked, pool), "loop, compiled": _loop_step(compiled, pool)}
+    loop_times = interleaved_times(
+        loops, max(repeats, 20), min_time=min_time, warmup=1.0, alternate=True
+    )
+    loop_med = {k: statistics.median(v) for k, v in loop_times.items()}
     return {
         "loss": name,
         "B": batch,
@@ -135,6 +187,10 @@ def bench(name: str, batch: int, repeats: int, min_time: float) -> dict[str, obj
         "compiled_vs_checks_off": med["compiled"] / med["eager, checks off"],
         "compile_s": compile_s,
         "runs": len(times["compiled"]),
+        "loop_eager_ms": 1e3 * loop_med["loop, eager"],
+        "loop_compiled_ratio": loop_med["loop, compiled"] / loop_med["loop, eager"],
+        "loop_steps": len(loop_times["loop, compiled"]),
+        "loop_recompiles": counter.graphs - graphs_before,
     }
 
 
@@ -149,6 +205,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             "compiled / checks on",
             "compiled / checks off",
             "compile (s)",
+            "loop step, eager (ms)",
+            "loop compiled / eager",
+            "loop recompiles",
         ],
         [
             [
@@ -159,6 +218,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{r['compiled_ratio']:.3f}x",
                 f"{r['compiled_vs_checks_off']:.3f}x",
                 f"{r['compile_s']:.0f}",
+                r["loop_eager_ms"],
+                f"{r['loop_compiled_ratio']:.3f}x",
+                f"{r['loop_recompiles']} in {r['loop_steps']} steps",
             ]
             for r in rows
         ],
@@ -187,7 +249,9 @@ def main() -> None:
             print(
                 f"{name:24s} B={batch:5d} on {row['checks_on_ms']:8.2f} ms  off "
                 f"{row['checks_off_ratio']:.3f}x  compiled {row['compiled_ratio']:.3f}x  "
-                f"(compile {row['compile_s']:.0f} s, {row['runs']} runs)",
+                f"(compile {row['compile_s']:.0f} s, {row['runs']} runs)  loop: eager "
+                f"{row['loop_eager_ms']:8.2f} ms, compiled {row['loop_compiled_ratio']:.3f}x, "
+                f"{row['loop_recompiles']} recompiles in {row['loop_steps']} steps",
                 flush=True,
             )
     md = table(rows)

@@ -144,3 +144,18 @@ class HostSyncCounter(torch.overrides.TorchFunctionMode):
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
                 self._hit("bool_index")
         return func(*args, **kwargs)
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it is given (one per compile or
+    recompile) and hands them to ``inner`` (``"aot_eager"``, ``"inductor"``...)."""
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        import torch._dynamo
+
+        self.inner = torch._dynamo.lookup_backend(inner)
+        self.calls = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.calls += 1
+        return self.inner(gm, example_inputs)

@@ -339,6 +339,10 @@ class _LossSettings(nn.Module):
         self.chunk_size = _checks.check_chunk_size(chunk_size)
         self.validate_args = validate_args
 
+    def _settings_repr(self) -> str:
+        """The settings for :meth:`extra_repr`, as keyword arguments."""
+        return ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+
     def _settings(self) -> dict[str, Any]:
         """The keyword arguments of the functional forms that these settings fill."""
         return {
@@ -410,11 +414,20 @@ class _TemperatureMixin(_LossSettings):
                 "learnable_temperature=False"
             )
 
+    def extra_repr(self) -> str:
+        """The temperature (its current value; learnable or fixed) and the settings."""
+        return ", ".join([self._temperature_repr(), *self._extra_settings(), self._settings_repr()])
+
+    def _extra_settings(self) -> list[str]:
+        """The Module's own settings for :meth:`extra_repr` (``negatives=...``)."""
+        return []
+
     def _temperature_repr(self) -> str:
-        """``temperature=0.07`` or ``temperature=0.07 (learnable, max_logit_scale=100)``."""
-        value = f"temperature={float(self.temperature.detach()):.4g}"
+        """``temperature=0.07`` or ``temperature=0.07, learnable_temperature=True,
+        max_logit_scale=100.0`` (the current value of a learnable one)."""
+        value = f"temperature={_scalar_repr(self.temperature)}"
         if self.learnable_temperature:
-            value += f" (learnable, max_logit_scale={self.max_logit_scale:g})"
+            value += f", learnable_temperature=True, max_logit_scale={self.max_logit_scale!r}"
         return value
 
     @property
@@ -435,6 +448,16 @@ def _refuse_trainable(value: object, name: str, instead: str) -> None:
             f"{instead}; to keep it in your model pass it per call: "
             "loss_fn(audio, text, logit_scale=1 / temperature) (or model.logit_scale.exp())"
         )
+
+
+def _scalar_repr(x: Tensor | float) -> str:
+    """A 0-d tensor's value for a repr (4 significant digits), without reading a tensor
+    that holds no value (meta device)."""
+    if isinstance(x, Tensor):
+        if x.device.type == "meta":
+            return "<meta>"
+        x = float(x.detach())
+    return f"{x:.4g}"
 
 
 def _with_terms(

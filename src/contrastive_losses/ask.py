@@ -842,5 +842,8 @@ class ASKLoss(nn.Module):
             f"k={self.k}, k_coarse={self.k_coarse}, injection_ratio={self.injection_ratio}, "
             f"ot_weight={self.ot_weight}, lambda_fine={self.lambda_fine}, "
             f"lambda_coarse={self.lambda_coarse}, epsilon={self.epsilon}, "
-            f"temperature={self.temperature}, bank_size={len(self.bank)}"
+            f"temperature={self.temperature}, use_coarse={self.use_coarse}, "
+            f"sinkhorn_iters={self.sinkhorn_iters}, detach_plan={self.detach_plan}, "
+            f"normalize={self.normalize}, reduction={self.reduction!r}, gather={self.gather}, "
+            f"validate_args={self.validate_args}, bank_size={len(self.bank)}"
         )

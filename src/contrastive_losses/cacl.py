@@ -282,6 +282,9 @@ class CACLLoss(_TemperatureMixin):
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
         self.english_index = _checks.check_int(english_index, "english_index", 0)
 
+    def _extra_settings(self) -> list[str]:
+        return [f"english_index={self.english_index}"]
+
     def triplet(
         self,
         audio: Tensor,

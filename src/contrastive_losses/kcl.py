@@ -394,6 +394,9 @@ class KCLLoss(_TemperatureMixin):
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
         self.negatives = negatives
 
+    def _extra_settings(self) -> list[str]:
+        return [f"negatives={self.negatives!r}"]
+
     def forward(
         self,
         audio: Tensor,

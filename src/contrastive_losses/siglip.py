@@ -30,6 +30,7 @@ from ._common import (
     _pair_and_ids,
     _reduce,
     _refuse_trainable,
+    _scalar_repr,
 )
 from ._kernels import _TiledSigmoid
 from .distributed import resolve_gather, validate_together
@@ -265,6 +266,13 @@ class SigLIPLoss(_LossSettings):
     def temperature(self) -> Tensor:
         """:math:`1/c`, the temperature the sigmoid logits correspond to."""
         return 1.0 / self.scale
+
+    def extra_repr(self) -> str:
+        """The current scale and bias (learnable or fixed) and the settings."""
+        return (
+            f"scale={_scalar_repr(self.scale)}, bias={_scalar_repr(self.bias)}, "
+            f"learnable={self.learnable}, {self._settings_repr()}"
+        )
 
     def forward(
         self,

@@ -11,6 +11,7 @@ both directions.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -33,6 +34,7 @@ from ._common import (
     _reduce,
     _refuse_trainable,
     _resolve_temperature,
+    _scalar_repr,
     _scale_setting,
     _temperature,
     check_radius,
@@ -501,13 +503,67 @@ class RadiusPredictor(nn.Module):
                 )
         return _radius_features(s, self.num_features, offset, mask)
 
+    def extra_repr(self) -> str:
+        return f"num_features={self.num_features}, validate_args={self.validate_args}"
+
     def forward(self, similarities: Tensor, offset: int = 0, mask: Tensor | None = None) -> Tensor:
+        r"""The radius of every row.
+
+        Args:
+            similarities: the anchors' similarity rows ``(..., B, N)``, ``N >= 2`` (the
+                regulariser passes :math:`\cos/\tau`).
+            offset: the column of row ``r``'s positive is ``offset + r`` (a rank's rows
+                against the gathered batch).
+            mask: optional bool ``(..., N)``, ``True`` at present candidates.
+
+        Returns:
+            The radii ``(..., B)``, unconstrained.
+        """
         return self._from_features(self.features(similarities, offset, mask))
 
     def _from_features(self, f: Tensor) -> Tensor:
         """The radii ``(..., B)`` from feature rows ``(..., B, num_features)``."""
         dtype = next(self.parameters()).dtype
         return self.mlp(f.to(dtype)).squeeze(-1).to(f.dtype)
+
+
+# Settings of the base losses, which the regulariser takes from its base: passed to the
+# regulariser they are refused with a TypeError that shows where they go.
+BASE_SETTINGS = (
+    "chunk_size",
+    "reduction",
+    "normalize",
+    "gather",
+    "learnable_temperature",
+    "max_logit_scale",
+    "negatives",
+    "english_index",
+    "scale_init",
+    "bias_init",
+    "learnable",
+)
+
+
+def _refuse_base_settings(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``SupportVectorRegularizer.__init__``: a base loss' setting given to the
+    regulariser raises a ``TypeError`` naming the base's call it belongs in (the signature
+    shown by ``help`` and ``inspect`` stays the wrapped one)."""
+
+    @functools.wraps(init)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        misplaced = [k for k in kwargs if k in BASE_SETTINGS]
+        if misplaced:
+            base = args[0] if args else kwargs.get("base")
+            name = type(base).__name__ if isinstance(base, nn.Module) else "InfoNCELoss"
+            given = ", ".join(f"{k}={kwargs[k]!r}" for k in misplaced)
+            raise TypeError(
+                f"{', '.join(misplaced)}: {'belongs' if len(misplaced) == 1 else 'belong'} "
+                f"to the base loss, not the regulariser: SupportVectorRegularizer({name}"
+                f"({given})); the regulariser follows its base's settings"
+            )
+        init(self, *args, **kwargs)
+
+    return wrapper
 
 
 class SupportVectorRegularizer(nn.Module):
@@ -540,11 +596,13 @@ class SupportVectorRegularizer(nn.Module):
     Radius: ``"static"`` — one learnable scalar shared by both directions;
     ``"dynamic"`` — a :class:`RadiusPredictor` per anchor (shared by both directions);
     a float — fixed. The predictor reads the anchor's row of :math:`\cos/\tau` (SupCLAP
-    Sec. 3.2). The SVR logits use the base's ``temperature`` (SigLIP: ``1/scale``)
-    unless ``temperature`` is given, *detached*: a learnable temperature (or SigLIP's
-    scale and bias) learns from the base loss alone, as with the fixed :math:`\tau` of
-    the papers. float16/bfloat16 embeddings run the SVR in float32 (its :math:`R/d`
-    overflows float16 for nearly aligned pairs). ``normalize`` and ``gather`` follow the
+    Sec. 3.2). The SVR logits use the base's ``temperature`` (SigLIP: ``1/scale``), or
+    ``1/logit_scale`` when the model's scale is passed per call (``forward(...,
+    logit_scale=s)``, which the base also gets), unless ``temperature`` is given,
+    *detached*: a learnable temperature (or SigLIP's scale and bias, or the model's scale)
+    learns from the base loss alone, as with the fixed :math:`\tau` of the papers.
+    float16/bfloat16 embeddings run the SVR in float32 (its :math:`R/d` overflows float16
+    for nearly aligned pairs). ``normalize`` and ``gather`` follow the
     base; under ``gather`` the anchors are this rank's rows against the global batch,
     scaled like the base so the mean over ranks is the single-process loss. A base whose
     forward draws randomness (CACL without ``other``) exposes ``resolve_inputs``; it is
@@ -623,6 +681,7 @@ class SupportVectorRegularizer(nn.Module):
         0.1
     """
 
+    @_refuse_base_settings
     def __init__(
         self,
         base: nn.Module,
@@ -653,7 +712,7 @@ class SupportVectorRegularizer(nn.Module):
             )
         _refuse_trainable(temperature, "temperature", "learnable_temperature=True on the base")
         if temperature is not None:
-            _temperature(temperature)
+            _temperature(temperature, stacklevel=5)  # + the __init__ wrapper
         _check_base_reduction(base)
         _checks.check_choice(direction, "direction", DIRECTIONS)
         _check_weight(alpha, "alpha")
@@ -691,9 +750,17 @@ class SupportVectorRegularizer(nn.Module):
         self._reset_monitor()
 
     def extra_repr(self) -> str:
+        """The radius (mode, and its value unless predicted), the direction, the weights,
+        the SVR temperature override and ``validate_args``; the base and the predictor
+        print as children."""
+        radius = f"radius={self.radius_mode!r}"
+        if self.predictor is None:
+            radius += f" ({_scalar_repr(self.radius)})"
+        temperature = "None (the base's)" if self.svr_temperature is None else self.svr_temperature
         return (
-            f"radius={self.radius_mode!r}, direction={self.direction!r}, alpha={self.alpha}, "
-            f"beta={self.beta}, constraint={self.constraint}"
+            f"{radius}, direction={self.direction!r}, alpha={self.alpha}, beta={self.beta}, "
+            f"constraint={self.constraint}, temperature={temperature}, "
+            f"validate_args={self.validate_args}"
         )
 
     @property
