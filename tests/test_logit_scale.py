@@ -374,3 +374,19 @@ def test_terms_report_the_temperature_used(data) -> None:
     torch.testing.assert_close(terms["temperature"], torch.tensor(0.05, dtype=torch.float64))
     _, terms = SigLIPLoss(learnable=False)(a, t, logit_scale=s, return_terms=True)
     torch.testing.assert_close(terms["scale"], s)
+
+
+@pytest.mark.parametrize("call", ["info_nce", "siglip"])
+def test_a_trainable_scale_with_normalize_false_reads_its_value_quietly(data, call) -> None:
+    # The overflow check of normalize=False reads the scale's value; a scale that requires
+    # grad (the model's, as open_clip's drop-ins pass it) must not warn about it.
+    log_scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+    extra = {"logit_bias": torch.tensor(-1.0, dtype=torch.float64)} if call == "siglip" else {}
+    fn = info_nce if call == "info_nce" else siglip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = fn(
+            data["audio"], data["text"], normalize=False, logit_scale=log_scale.exp(), **extra
+        )
+    loss.backward()
+    assert log_scale.grad is not None and bool(torch.isfinite(log_scale.grad))

@@ -139,6 +139,12 @@ def _embeddings(
     return l2_normalize(x, norms) if normalize else x
 
 
+def _host_float(value: float | Tensor) -> float:
+    """A number or a 0-d tensor's value as a float, read without its graph (a learnable
+    scale requires grad; reading it must not warn or build anything)."""
+    return float(value.detach()) if isinstance(value, Tensor) else float(value)
+
+
 def _logit_range(
     pairs: list[tuple[Tensor, str, Tensor, str]],
     normalize: bool,
@@ -159,10 +165,10 @@ def _logit_range(
     if normalize or not validate:
         return
     for x, x_name, y, y_name in pairs:
-        hi = float(_checks.exact_row_norms(x, torch.float64).amax()) + abs(radius)
-        hi *= float(_checks.exact_row_norms(y, torch.float64).amax())
-        hi *= float(scale) / float(temperature)
-        hi += abs(float(shift))
+        hi = _host_float(_checks.exact_row_norms(x, torch.float64).amax()) + abs(radius)
+        hi *= _host_float(_checks.exact_row_norms(y, torch.float64).amax())
+        hi *= _host_float(scale) / _host_float(temperature)
+        hi += abs(_host_float(shift))
         limit = torch.finfo(x.dtype).max / 4
         if not hi <= limit:  # True for NaN too
             raise ValueError(
