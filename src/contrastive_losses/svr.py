@@ -324,7 +324,9 @@ def support_vector_term(
         r = _radius_tensor(radius, b, x, validate)
         if mask is not None:
             mask = _check_row_mask(mask, b, x)
-        r_max = float(r.detach().abs().amax()) if isinstance(r, Tensor) and validate else r
+        # The radius' peak (a host sync) only where the overflow check reads it.
+        read_peak = validate and not normalize
+        r_max = float(r.detach().abs().amax()) if isinstance(r, Tensor) and read_peak else r
         _logit_range(
             [(x, "anchor", y, "candidates")],
             normalize,
