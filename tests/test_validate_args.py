@@ -119,7 +119,10 @@ CASES: dict[str, Case] = {
     ),
     "cacl_index_mask": (
         _module(CACLLoss),
-        lambda d: ((d["a"], d["tk"], d["other"]), {"mask": torch.ones(B, K, dtype=torch.bool)}),
+        lambda d: (
+            (d["a"], d["tk"], d["other"]),
+            {"mask": torch.ones(B, K, dtype=torch.bool, device=d["a"].device)},
+        ),
     ),
     "svr_static": (
         _svr(lambda: InfoNCELoss(learnable_temperature=True), radius="static"),

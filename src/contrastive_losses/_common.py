@@ -529,3 +529,11 @@ def _check_row_mask(mask: object, b: int, ref: Tensor) -> Tensor:
     if mask.device != ref.device:
         raise ValueError(f"mask: on device {mask.device} but the embeddings are on {ref.device}")
     return mask
+
+
+def _diagonal_mask(rows: int, cols: int, offset: int, device: torch.device) -> Tensor:
+    """``(rows, cols)`` bool, True at ``(r, offset + r)``: each local row's positive among
+    the (gathered) columns. Built by comparison: ``mask[r, r + offset] = True`` copies the
+    Python scalar to a CUDA device, a host sync."""
+    cols_idx = torch.arange(cols, device=device)
+    return cols_idx[None, :] == torch.arange(offset, offset + rows, device=device)[:, None]

@@ -74,7 +74,13 @@ class _NormalizedRowsMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, Tensor]:
         x, inv_norm, y, scores = ctx.saved_tensors
-        inv = inv_norm.unsqueeze(-1)
+        # Under autocast the forward's matmul ran in half precision and autocast is off
+        # here: one common dtype for the mixed inputs (half captions, float32 audio and
+        # norms), at least the norms' (1/||x|| overflows float16 for norms below 1.5e-5);
+        # autograd casts each gradient back to its input's dtype.
+        dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), inv_norm.dtype)
+        grad, x, y, scores = grad.to(dtype), x.to(dtype), y.to(dtype), scores.to(dtype)
+        inv = inv_norm.unsqueeze(-1).to(dtype)
         # d/dx_i of <x_i, y_j>/||x_i||: (y_j - s_ij x_i/||x_i||) / ||x_i||, with
         # 1/||x_i|| applied once at the end: 1/||x_i||^2 overflows float32 for norms
         # below 1e-19, which are valid (and normalised exactly) input.
@@ -136,7 +142,9 @@ class _Gram(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         (y,) = ctx.saved_tensors
-        return (grad + grad.mT) @ y
+        # Under autocast the forward ran in half precision (autocast is off here).
+        dtype = torch.promote_types(grad.dtype, y.dtype)
+        return (grad + grad.mT).to(dtype) @ y.to(dtype)
 
 
 class _Distance(torch.autograd.Function):

@@ -21,6 +21,7 @@ from ._common import (
     _Batch,
     _batch,
     _check_pair,
+    _diagonal_mask,
     _embeddings,
     _finish,
     _gather,
@@ -336,8 +337,9 @@ def _all_languages(a: Tensor, t: Tensor, m: Tensor | None, glob: _Global) -> tup
     a_all, t_all, m_all, offset = glob
     b, k_langs, dim = t.shape
     a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
-    own = torch.zeros(b, a_all.shape[0], dtype=torch.bool, device=a.device)
-    own[torch.arange(b, device=a.device), torch.arange(b, device=a.device) + offset] = True
+    # A comparison, not ``own[rows, rows + offset] = True``: on CUDA that index_put copies
+    # the Python scalar to the device, a host sync even with the checks off.
+    own = _diagonal_mask(b, a_all.shape[0], offset, a.device)  # (b, N)
     positives = own[:, :, None].expand(-1, -1, k_langs)  # (b, N, K)
     if m_all is not None:
         a2t_logits = a2t_logits.masked_fill(

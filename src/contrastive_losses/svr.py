@@ -25,6 +25,7 @@ from ._common import (
     _batch,
     _check_pair,
     _check_row_mask,
+    _diagonal_mask,
     _embeddings,
     _gather,
     _gather_no_grad,
@@ -89,7 +90,10 @@ def _support_vector_logits(
     """
     eps = torch.finfo(dist.dtype).eps
     coef = torch.where(dist > eps, radius / dist.clamp_min(eps), torch.zeros_like(dist))
-    logits = torch.lerp(sims, positive_sims, coef[..., None]) / temperature  # (Q, b, N)
+    # One dtype for lerp: under autocast the similarities are half, the radius float32.
+    dtype = torch.promote_types(torch.promote_types(sims.dtype, positive_sims.dtype), coef.dtype)
+    coef = coef.to(dtype)[..., None]
+    logits = torch.lerp(sims.to(dtype), positive_sims.to(dtype), coef) / temperature  # (Q, b, N)
     if col_mask is not None:
         logits = logits.masked_fill(~col_mask[:, None, :], torch.finfo(logits.dtype).min)
     return logits
@@ -202,8 +206,7 @@ def _radius_features(
     s = similarities.detach()
     b, n = s.shape[-2], s.shape[-1]
     rows = torch.arange(b, device=s.device)
-    invalid = torch.zeros(b, n, dtype=torch.bool, device=s.device)
-    invalid[rows, rows + offset] = True  # the positive is not a negative
+    invalid = _diagonal_mask(b, n, offset, s.device)  # the positive is not a negative
     if col_mask is not None:
         invalid = invalid | ~col_mask[..., None, :]  # (..., b, N)
     s_pos = s[..., rows, rows + offset]  # (..., b)
