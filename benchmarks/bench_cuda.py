@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import write_results
+from timing import markdown_table, write_results
 
 from contrastive_losses import functional as CF
 
@@ -156,6 +156,21 @@ def _candidates(
     return fns, reference
 
 
+def table(rows: list[dict[str, Any]]) -> str:
+    """One markdown row per (loss, B): each candidate's time ratio to the row's reference
+    and its peak extra memory in MiB."""
+    header = ["loss", "B", "reference", "candidate", "time ratio", "peak MiB"]
+    body = []
+    for row in rows:
+        for name, r in row["results"].items():
+            peak = r["peak_mib"]
+            body.append([
+                row["loss"], row["B"], row["reference"], name,
+                r.get("ratio", r["ms"]), peak if peak is not None else "-",
+            ])  # fmt: skip
+    return markdown_table(header, body)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a check that it runs")
@@ -200,7 +215,11 @@ def main(argv: list[str] | None = None) -> None:
         "K": K,
         "repeats": repeats,
     }
-    write_results("cuda", {"meta": meta, "rows": rows}, quick=args.quick)
+    markdown = table(rows)
+    print(markdown)
+    write_results(
+        "cuda", {"meta": meta, "rows": rows, "table_markdown": markdown}, quick=args.quick
+    )
 
 
 if __name__ == "__main__":
