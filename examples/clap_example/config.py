@@ -7,11 +7,11 @@ the command line; the command line wins. Unknown config keys are an error.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import safe_json
 from .sonar import PAPER_LANGUAGES, canonical_language
 
 LOSSES = ("infonce", "siglip", "mlclap", "kcl", "cacl", "ask")
@@ -34,9 +34,10 @@ def _json_dict(value: str | dict[str, Any]) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     try:
-        out = json.loads(value)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}: {err}") from err
+        out = safe_json.loads(value, "the value")
+    except ValueError as err:
+        shown = value if len(value) <= 80 else value[:80] + "..."
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {shown!r}: {err}") from None
     if not isinstance(out, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return out
@@ -290,10 +291,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Largest --config file read (bytes): a config holds a few dozen options.
+MAX_CONFIG_BYTES = 1 << 24
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--config: {path} does not exist")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"--config {path}: {size} bytes, more than a config file holds")
     text = path.read_text(encoding="utf-8")
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
@@ -302,14 +310,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise ImportError(
                 f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use JSON"
             ) from err
-        data = yaml.safe_load(text)
-    else:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"--config {path}: invalid JSON at line {err.lineno}: {err.msg}"
-            ) from err
+            data = yaml.safe_load(text)
+        except RecursionError:
+            raise ValueError(f"--config {path}: nested too deeply to read") from None
+        if safe_json.depth(data) > safe_json.MAX_DEPTH:
+            raise ValueError(f"--config {path}: nested more than {safe_json.MAX_DEPTH} deep")
+    else:
+        data = safe_json.loads(text, f"--config {path}")
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of option -> value")
     return data

@@ -279,22 +279,18 @@ DAMAGE = {
 
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every file a resume hashes or unpickles (spied on)."""
-    from clap_example import checkpoint, manifest
+    """Every file a resume reads (to hash and load it, or as its manifest), spied on at the
+    one place that reads the run folder's files."""
+    from clap_example import run_folder
 
     seen: list[str] = []
-    digest, load = manifest.file_digest, checkpoint.CheckpointStore.load
+    read = run_folder.RunFolder.read_bytes
 
-    def spy_digest(path: Path) -> dict[str, Any]:
+    def spy(self: Any, path: Path, *args: Any, **kwargs: Any) -> bytes | None:
         seen.append(str(path))
-        return digest(path)
+        return read(self, path, *args, **kwargs)
 
-    def spy_load(path: Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        seen.append(str(path))
-        return load(path, *args, **kwargs)
-
-    monkeypatch.setattr(manifest, "file_digest", spy_digest)
-    monkeypatch.setattr(checkpoint.CheckpointStore, "load", staticmethod(spy_load))
+    monkeypatch.setattr(run_folder.RunFolder, "read_bytes", spy)
     return seen
 
 
