@@ -26,7 +26,6 @@ from test_example_checkpoints import (  # noqa: F401 - fixtures
     NEWEST,
     OLDEST,
     assert_fell_back,
-    assert_inside,
     cfg,
     ckpt,
     outside,
@@ -77,6 +76,13 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(run_folder.RunFolder, "read_bytes", spy)
     return seen
+
+
+def assert_inside(reads: list[str], out: Path) -> None:
+    """Every file read was in the run folder when it was read."""
+    root = os.path.realpath(out) + os.sep
+    outside_reads = [where for where in reads if not where.startswith(root)]
+    assert reads and not outside_reads, outside_reads
 
 
 def warnings_of(err: str) -> str:
