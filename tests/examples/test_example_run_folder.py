@@ -82,7 +82,7 @@ def assert_inside(reads: list[str], out: Path) -> None:
     """Every file read was in the run folder when it was read."""
     root = os.path.realpath(out) + os.sep
     outside_reads = [where for where in reads if not where.startswith(root)]
-    assert reads and not outside_reads, outside_reads
+    assert not outside_reads, outside_reads
 
 
 def warnings_of(err: str) -> str:
