@@ -90,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         "on them (CPU, about a minute); other options override the demo's",
     )
 
+    _add_data_args(p)
+    _add_tower_and_loss_args(p)
+    _add_optimisation_args(p)
+    _add_output_args(p)
+    return p
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """The "data" group: manifests, languages, crops, the audio check."""
     g = p.add_argument_group("data")
     g.add_argument("--train-manifest", help="CSV/JSONL: audio_path,audio_id,caption,language")
     g.add_argument("--test-manifest", help="evaluated with retrieval_report after every epoch")
@@ -123,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(or the manifest's directory)",
     )
 
+
+def _add_tower_and_loss_args(p: argparse.ArgumentParser) -> None:
+    """The "models" group (the towers and their weights), then the "loss" group."""
     g = p.add_argument_group("models")
     g.add_argument(
         "--ced-size", default="base", choices=("tiny", "mini", "small", "base"), help="CED width"
@@ -212,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="captions per chunk (default: batch size)",
     )
 
+
+def _add_optimisation_args(p: argparse.ArgumentParser) -> None:
+    """The "optimisation" group: length, batch, optimizer, schedule, precision, seed."""
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=10, help="passes over the training set")
     g.add_argument(
@@ -251,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
 
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """The "output" group: where the run writes, resume, checkpoints, reporting."""
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", help="logs, checkpoints and plots go here")
     g.add_argument(
@@ -288,7 +306,6 @@ def build_parser() -> argparse.ArgumentParser:
         "also write the logged scalars as TensorBoard events in --output-dir/tensorboard "
         "(needs the tensorboard package, in the examples extra)",
     )
-    return p
 
 
 #: Largest --config file read (bytes): a config holds a few dozen options.
