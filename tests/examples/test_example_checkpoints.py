@@ -56,11 +56,16 @@ def paused_once(tmp_path_factory: pytest.TempPathFactory, base_config: dict[str,
     return out
 
 
+def copy_run(once: Path, tmp_path: Path) -> Path:
+    """A test's own copy of a run trained once per module."""
+    out = tmp_path / "run"
+    shutil.copytree(once, out, symlinks=True)
+    return out
+
+
 @pytest.fixture
 def paused(tmp_path: Path, paused_once: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(paused_once, out, symlinks=True)
-    return out
+    return copy_run(paused_once, tmp_path)
 
 
 def resume(out: Path, cfg: dict[str, Any], **overrides: Any) -> dict[str, Any]:

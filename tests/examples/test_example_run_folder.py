@@ -28,6 +28,7 @@ from test_example_checkpoints import (  # noqa: F401 - fixtures
     assert_fell_back,
     cfg,
     ckpt,
+    copy_run,
     outside,
     paused,
     paused_once,
@@ -361,6 +362,7 @@ def test_a_hostile_log_is_named_never_read_and_recreated_from_the_checkpoint(
 
 @pytest.fixture(scope="module")
 def finished_once(tmp_path_factory: pytest.TempPathFactory, base_config: dict[str, Any]) -> Path:
+    """A run of 4 steps trained to its end, with its summary (each test gets a copy)."""
     out = tmp_path_factory.mktemp("finished") / "run"
     run(out, {**base_config, **CFG})
     return out
@@ -368,9 +370,7 @@ def finished_once(tmp_path_factory: pytest.TempPathFactory, base_config: dict[st
 
 @pytest.fixture
 def finished(tmp_path: Path, finished_once: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(finished_once, out, symlinks=True)
-    return out
+    return copy_run(finished_once, tmp_path)
 
 
 def _deep_summary(path: Path, out: Path) -> Path:
