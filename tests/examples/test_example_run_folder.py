@@ -126,6 +126,24 @@ def test_the_run_folder_reads_only_regular_files_under_their_cap(tmp_path: Path)
     assert (tmp_path / "secret").read_bytes() == b"outside"
 
 
+def test_a_device_node_in_the_run_folder_is_refused_by_name(tmp_path: Path) -> None:
+    import stat
+
+    from clap_example.checkpoint import read_summary
+    from clap_example.run_folder import RunFolder, RunFolderError
+
+    root = tmp_path / "run"
+    root.mkdir()
+    zero = root / "summary.json"
+    try:
+        os.mknod(zero, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # what /dev/zero is
+    except (PermissionError, AttributeError):
+        pytest.skip("creating a device node needs root (CAP_MKNOD) on Linux")
+    with pytest.raises(RunFolderError, match=rf"{zero}: a device"):
+        RunFolder(root).read_bytes(zero, 1 << 20)
+    assert read_summary(root) == {}  # named in a warning, never read
+
+
 def test_the_run_folder_replaces_a_link_it_writes_and_never_follows_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
