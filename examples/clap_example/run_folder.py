@@ -17,7 +17,9 @@ choice):
 - a file is written through a temporary name created with ``O_EXCL | O_NOFOLLOW`` and renamed
   over its target (``durable``): a link, FIFO or device at the target is replaced, never
   followed or opened, and named in a warning; appends open with ``O_NOFOLLOW | O_NONBLOCK`` and
-  write to a regular file only.
+  write to a regular file only. (A write checks its directories just before it writes, by
+  path: a directory swapped for a link in that instant is the one race reads close and writes
+  do not.)
 
 A refusal is a :class:`RunFolderError` (a ``ValueError``) naming the path; callers that can do
 without a file (a log the checkpoint recreates, a summary that is rewritten) warn and go on.
