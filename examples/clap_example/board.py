@@ -4,8 +4,11 @@ TensorBoard events under ``--output-dir/tensorboard``, written with
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import stat
 from typing import Any
+
+from .run_folder import RunFolder, kind, refusal
 
 #: The message of a missing tensorboard package.
 MISSING = (
@@ -32,8 +35,14 @@ class ScalarBoard:
     ``epoch/train_loss`` per epoch, at the step they belong to. A resumed run drops the events
     after its checkpoint's step (``purge_step``), as the logs do."""
 
-    def __init__(self, directory: Path, resume_step: int | None) -> None:
+    def __init__(self, folder: RunFolder, resume_step: int | None) -> None:
         writer = summary_writer_class()
+        directory = folder.dir(folder.root / "tensorboard", create=True)
+        assert directory is not None
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # the writer would follow it
+                raise refusal(directory / entry.name, kind(mode))
         self.writer = writer(str(directory), purge_step=resume_step)
 
     def step(self, row: dict[str, Any]) -> None:

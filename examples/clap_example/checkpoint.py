@@ -9,11 +9,15 @@ only then named by ``checkpoints/latest``. A checkpoint is used only when its ma
 for its own folder alone, every file matches it, and ``state.pt`` and the RNG files load with
 ``weights_only=True``: ``--resume auto`` otherwise falls back to the newest checkpoint that
 passes, with a warning naming what was wrong, or stops with an error naming it when none does.
+Each file is read once (``manifest.read_verified``: no link followed, a FIFO never waited on),
+hashed, and loaded from those same bytes; rank 0 keeps what it loaded for the resume, so a file
+swapped on disk after it was verified is never loaded. Every path goes through ``run_folder``.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pickle
@@ -29,15 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import from_main
-from .durable import (
-    TMP_PREFIX,
-    atomic_torch_save,
-    atomic_write_text,
-    fsync_dir,
-    remove_tree,
-    warn,
-)
-from .manifest import CheckpointError, verify, write_manifest
+from .durable import TMP_PREFIX, fsync_dir, warn
+from .manifest import CheckpointError, read_verified, verify, write_manifest
+from .run_folder import MAX_LATEST_BYTES, MAX_SUMMARY_BYTES, RunFolder, RunFolderError
 
 NAME = re.compile(r"step-(\d{8})(?:\.(\d+))?")
 
@@ -68,13 +66,12 @@ def read_latest(checkpoints: Path) -> tuple[str | None, str | None]:
     """``(name, problem)``: what ``checkpoints/latest`` names, or why it names nothing usable
     (``problem`` is None when the file is simply absent)."""
     latest = checkpoints / "latest"
-    if latest.is_symlink():
-        return None, f"{latest}: a symbolic link (to {os.readlink(latest)!r}), not a file"
-    if not latest.is_file():
+    try:
+        data = RunFolder(checkpoints.parent).read_bytes(latest, MAX_LATEST_BYTES)
+    except RunFolderError as err:
+        return None, str(err)
+    if data is None:
         return None, None
-    if latest.stat().st_size > 256:
-        return None, f"{latest}: {latest.stat().st_size} bytes, not a checkpoint name"
-    data = latest.read_bytes()
     try:
         name = data.decode("utf-8").strip()
     except UnicodeDecodeError as err:
@@ -101,42 +98,86 @@ def complete_checkpoints(checkpoints: Path) -> list[Path]:
 
 @dataclass
 class ResumePoint:
+    """The checkpoint a run resumes from. ``state`` and ``rng`` (rank 0's RNG file) are what
+    was loaded from the bytes that were hashed; they are not sent to the other ranks."""
+
     directory: Path
     manifest: dict[str, Any]
+    state: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+
+    def shared(self) -> ResumePoint:
+        """What the other ranks get: where, and the manifest (they load their own files)."""
+        return ResumePoint(self.directory, self.manifest)
 
 
-def _is_zip(path: Path) -> bool:
-    """The archive ``torch.save`` writes (what ``torch.load(mmap=True)`` needs)."""
-    with path.open("rb") as f:
-        return f.read(4) == b"PK\x03\x04"
-
-
-def check_loadable(directory: Path, manifest: dict[str, Any]) -> None:
-    """``state.pt`` and every ``rng-rank<r>.pt`` of a verified checkpoint load with
-    ``weights_only=True`` and hold what a resume needs (``mmap``: the tensors are not read),
-    and ``state.pt`` is at the manifest's step; else :class:`CheckpointError` naming the file.
-    A crafted file is refused here, before the checkpoint is chosen, so a resume falls back."""
-    state = CheckpointStore.load(directory / "state.pt", "cpu", REQUIRED_STATE, mmap=True)
-    step = state["step"]
-    if not isinstance(step, int) or step != manifest["step"]:
-        raise CheckpointError(
-            f"{directory / 'state.pt'}: at step {str(step)[:40]}, its manifest says "
-            f"{manifest['step']} (a file was swapped and the manifest forged)"
-        )
-    del state
-    for name in sorted(manifest["files"]):
-        if RNG_FILE.fullmatch(name):
-            CheckpointStore.load(directory / name, "cpu", REQUIRED_RNG, mmap=True)
-
-
-def usable(directory: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint that passes :func:`verify` and :func:`check_loadable`."""
-    manifest = verify(directory)
+def load_bytes(data: bytes, path: Path, required: Sequence[str]) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` of ``data``, ``path``'s verified bytes (a checkpoint
+    holds tensors and plain types only, so a crafted file cannot run code), with errors that
+    name the file."""
     try:
-        check_loadable(directory, manifest)
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message suggests weights_only=False: never relay that.
+        detail = next(
+            (line.strip() for line in str(err).splitlines() if "Unsupported" in line), ""
+        ).split(" Please")[0]
+        raise CheckpointError(
+            f"--resume: {path} is not a checkpoint this trainer wrote: it holds objects "
+            f"other than tensors and plain Python types, and is refused"
+            + (f" ({detail})" if detail else "")
+        ) from None
+    except Exception as err:  # torch's unpickler fails in many ways on garbage
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"--resume: cannot read {path}: not a torch checkpoint or damaged ({first})"
+        ) from None
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"--resume: {path} holds a {type(loaded).__name__}, not a dict")
+    missing = [key for key in required if key not in loaded]
+    if missing:
+        raise CheckpointError(
+            f"--resume: {path} lacks {', '.join(repr(k) for k in missing)} "
+            "(not a complete checkpoint of this trainer)"
+        )
+    return loaded
+
+
+def load_verified(
+    directory: Path,
+    name: str,
+    manifest: dict[str, Any],
+    required: Sequence[str],
+    root: Path | None = None,
+) -> dict[str, Any]:
+    """``name`` of a verified checkpoint, loaded from the bytes that matched its manifest."""
+    data = read_verified(directory, name, manifest, root)
+    return load_bytes(data, directory / name, required)
+
+
+def usable(directory: Path, root: Path | None = None, rank: int = 0) -> ResumePoint:
+    """A checkpoint that passes :func:`verify`, whose files match their hashes and load with
+    ``weights_only=True``, holding what a resume needs, ``state.pt`` at the manifest's step;
+    else :class:`CheckpointError` naming the file. A crafted file is refused here, before the
+    checkpoint is chosen, so a resume falls back. The point holds ``state.pt`` and
+    ``rng-rank<rank>.pt`` as they were loaded."""
+    try:
+        manifest = verify(directory)
+        state = load_verified(directory, "state.pt", manifest, REQUIRED_STATE, root)
+        step = state["step"]
+        if not isinstance(step, int) or step != manifest["step"]:
+            raise CheckpointError(
+                f"{directory / 'state.pt'}: at step {str(step)[:40]}, its manifest says "
+                f"{manifest['step']} (a file was swapped and the manifest forged)"
+            )
+        rng = None
+        for name in sorted(manifest["files"]):
+            if RNG_FILE.fullmatch(name):
+                loaded = load_verified(directory, name, manifest, REQUIRED_RNG, root)
+                rng = loaded if name == f"rng-rank{rank}.pt" else rng
     except CheckpointError as err:  # the loader's messages start "--resume: "
         raise CheckpointError(str(err).removeprefix("--resume: ")) from None
-    return manifest
+    return ResumePoint(directory, manifest, state, rng)
 
 
 def find_resume_point(checkpoints: Path, resume: str | None) -> ResumePoint | None:
@@ -155,28 +196,33 @@ def find_resume_point(checkpoints: Path, resume: str | None) -> ResumePoint | No
         if directory.is_file() and not directory.is_symlink():
             directory = directory.parent
         try:
-            return ResumePoint(directory, usable(directory))
+            return usable(directory)
         except CheckpointError as err:
             raise CheckpointError(f"--resume {resume}: {err}") from err
+    try:
+        RunFolder(checkpoints.parent).dir(checkpoints)
+    except RunFolderError as err:
+        raise CheckpointError(f"--resume auto: {err}. Nothing was changed") from None
+    root = checkpoints.parent
     name, problem = read_latest(checkpoints)
     problems = [problem] if problem else []
     missing = f"{checkpoints / 'latest'} is missing"
     if name is not None:
         try:
-            return ResumePoint(checkpoints / name, usable(checkpoints / name))
+            return usable(checkpoints / name, root)
         except CheckpointError as err:
             problems.append(str(err))
     for directory in complete_checkpoints(checkpoints):
         if directory.name == name:
             continue
         try:
-            manifest = usable(directory)
+            point = usable(directory, root)
         except CheckpointError as err:
             problems.append(str(err))
             continue
         why = "; ".join(problems) if problems else missing
         warn(f"{why}; resuming from the newest intact checkpoint {directory}")
-        return ResumePoint(directory, manifest)
+        return point
     if problems:
         raise CheckpointError(
             f"--resume auto: no intact checkpoint in {checkpoints}: "
@@ -283,6 +329,7 @@ class CheckpointStore:
     """Writes, prunes and loads the checkpoints of one run (every rank holds one)."""
 
     def __init__(self, out: Path, rank: int, world: int, keep: int) -> None:
+        self.folder = RunFolder(out)
         self.dir = out / "checkpoints"
         self.rank, self.world, self.is_main = rank, world, rank == 0
         self.keep = max(keep, 1)
@@ -298,7 +345,7 @@ class CheckpointStore:
         k = 0
         while os.path.lexists(self.dir / name):  # a link of that name too (it is removed)
             if name != self.published:
-                remove_tree(self.dir / name)
+                self.folder.remove(self.dir / name)
                 break
             k += 1
             name = f"{base}.{k}"
@@ -320,26 +367,28 @@ class CheckpointStore:
         """
         tmp = self.dir / f"{TMP_PREFIX}{name}"
         if self.is_main:
-            remove_tree(tmp)
-            tmp.mkdir(parents=True)
+            self.folder.remove(tmp)
+            self.folder.dir(tmp, create=True)
         if self.world > 1:
             dist.barrier()
         directory = self.dir / name
         try:
-            atomic_torch_save(rng, tmp / f"rng-rank{self.rank}.pt")
+            self.folder.torch_save(rng, tmp / f"rng-rank{self.rank}.pt")
             if self.world > 1:
                 dist.barrier()
             if self.is_main:
-                atomic_torch_save(state(), tmp / "state.pt")
+                self.folder.torch_save(state(), tmp / "state.pt")
                 write_manifest(tmp, name, meta)
                 os.rename(tmp, directory)
         except Exception:
-            remove_tree(tmp)  # a full disk: leave no half checkpoint (a kill: the next start)
+            self.folder.remove(
+                tmp
+            )  # a full disk: leave no half checkpoint (a kill: the next start)
             raise
         if self.is_main:
             fsync_dir(self.dir)
             before_publish()
-            atomic_write_text(self.dir / "latest", name)
+            self.folder.write_text(self.dir / "latest", name)
             self.prune(name)
         self.published, self.published_step = name, int(meta["step"])
         if self.world > 1:
@@ -357,47 +406,7 @@ class CheckpointStore:
             if sort_key(p.name) <= limit and not p.is_symlink()
         ]
         for old in older[self.keep :]:
-            remove_tree(old)
-
-    @staticmethod
-    def load(
-        path: Path,
-        map_location: Any,
-        required: Sequence[str],
-        mmap: bool = False,
-    ) -> dict[str, Any]:
-        """``torch.load(weights_only=True)`` (a checkpoint holds tensors and plain types only,
-        so a crafted file cannot run code), with errors that name the file. ``mmap``: the
-        tensors of the zip archive ``torch.save`` writes are mapped, not read (a check that the
-        file loads; a file of another format is read whole and refused with the loader's
-        message)."""
-        try:
-            mapped = mmap and _is_zip(path)
-            data = torch.load(path, map_location=map_location, weights_only=True, mmap=mapped)
-        except pickle.UnpicklingError as err:
-            # torch's message suggests weights_only=False: never relay that.
-            detail = next(
-                (line.strip() for line in str(err).splitlines() if "Unsupported" in line), ""
-            ).split(" Please")[0]
-            raise CheckpointError(
-                f"--resume: {path} is not a checkpoint this trainer wrote: it holds objects "
-                f"other than tensors and plain Python types, and is refused"
-                + (f" ({detail})" if detail else "")
-            ) from None
-        except Exception as err:  # torch's unpickler fails in many ways on garbage
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise CheckpointError(
-                f"--resume: cannot read {path}: not a torch checkpoint or damaged ({first})"
-            ) from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"--resume: {path} holds a {type(data).__name__}, not a dict")
-        missing = [key for key in required if key not in data]
-        if missing:
-            raise CheckpointError(
-                f"--resume: {path} lacks {', '.join(repr(k) for k in missing)} "
-                "(not a complete checkpoint of this trainer)"
-            )
-        return data
+            self.folder.remove(old)
 
 
 # --- resume: which checkpoint, and loading it into the run ---------------------------------------
@@ -422,7 +431,7 @@ def resume_point(
                 current = json.loads(json.dumps(vars(args), default=str))
                 for message in check_config(saved, current, args.allow_config_change):
                     warn(f"--resume: option changed since the checkpoint: {message}")
-            answer = ("ok", point)
+            answer = ("ok", point.shared() if point is not None else None)
         except (CheckpointError, FileExistsError) as err:
             answer = (type(err).__name__, str(err))
     kind, value = from_main(answer, world)
@@ -430,7 +439,7 @@ def resume_point(
         raise FileExistsError(value)
     if kind != "ok":
         raise CheckpointError(value)
-    return value
+    return point if is_main else value
 
 
 def load_modules(
@@ -443,13 +452,19 @@ def load_modules(
     scheduler: Any,
     scaler: Any,
 ) -> None:
-    """``state.pt``'s weights and optimizer state into the run's objects, or an error naming
-    the file when they do not fit."""
+    """``state.pt``'s weights and optimizer state (loaded on the CPU) into the run's objects,
+    or an error naming the file when they do not fit."""
     try:
         model.load_state_dict(state["model"])
         loss_fn.load_state_dict(state["loss"])
         if bank is not None and "bank" in state:
-            bank.load_state_dict(state["bank"])
+            device = next(iter(model.parameters())).device
+            bank.load_state_dict(
+                {
+                    k: v.to(device) if isinstance(v, torch.Tensor) else v
+                    for k, v in state["bank"].items()
+                }
+            )
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
@@ -493,12 +508,18 @@ def rng_state(lang_gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def restore_rng(path: Path, lang_gen: torch.Generator, is_main: bool) -> None:
-    if not path.is_file():
+def restore_rng(point: ResumePoint, rank: int, lang_gen: torch.Generator, is_main: bool) -> None:
+    """This rank's random streams from the checkpoint: rank 0's as it verified and loaded
+    them, another rank's read once, hashed and loaded now (``load_verified``)."""
+    name = f"rng-rank{rank}.pt"
+    path = point.directory / name
+    if name not in point.manifest["files"]:
         if is_main:
             print(f"[resume] {path} missing: RNG streams restart (not an exact resume)")
         return
-    rng = CheckpointStore.load(path, "cpu", REQUIRED_RNG)
+    rng = point.rng
+    if rng is None:
+        rng = load_verified(point.directory, name, point.manifest, REQUIRED_RNG)
     try:
         python = rng["python"]
         if isinstance(python, dict):
@@ -538,10 +559,7 @@ def already_complete(
     if done:  # a kill after the last checkpoint: the plots and summary are still due
         summary_step = None
         if is_main:
-            try:
-                summary_step = int(json.loads((out / "summary.json").read_text())["step"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
+            summary_step = read_summary(out).get("step")
         done = from_main(summary_step == step if is_main else None, world)
     if done and is_main:
         print(
@@ -549,3 +567,18 @@ def already_complete(
             "nothing to do. Raise --epochs (or --max-steps) to train further."
         )
     return bool(done)
+
+
+def read_summary(out: Path) -> dict[str, Any]:
+    """``summary.json`` of a run folder, or ``{}`` when it is absent or unusable (a link, FIFO
+    or device, too big, not JSON, too deep: named in a warning; the summary is rewritten)."""
+    path = out / "summary.json"
+    try:
+        summary = RunFolder(out).read_json(path, MAX_SUMMARY_BYTES)
+    except (OSError, ValueError) as err:
+        warn(f"{err}; the run's summary is written afresh")
+        return {}
+    if summary is not None and not isinstance(summary, dict):
+        warn(f"{path}: holds a JSON {type(summary).__name__}, not an object; written afresh")
+        return {}
+    return summary or {}

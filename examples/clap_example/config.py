@@ -7,11 +7,11 @@ the command line; the command line wins. Unknown config keys are an error.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import safe_json
 from .sonar import PAPER_LANGUAGES, canonical_language
 
 LOSSES = ("infonce", "siglip", "mlclap", "kcl", "cacl", "ask")
@@ -34,9 +34,10 @@ def _json_dict(value: str | dict[str, Any]) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     try:
-        out = json.loads(value)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}: {err}") from err
+        out = safe_json.loads(value, "the value")
+    except ValueError as err:
+        shown = value if len(value) <= 80 else value[:80] + "..."
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {shown!r}: {err}") from None
     if not isinstance(out, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return out
@@ -89,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         "on them (CPU, about a minute); other options override the demo's",
     )
 
+    _add_data_args(p)
+    _add_tower_and_loss_args(p)
+    _add_optimisation_args(p)
+    _add_output_args(p)
+    return p
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """The "data" group: manifests, languages, crops, the audio check."""
     g = p.add_argument_group("data")
     g.add_argument("--train-manifest", help="CSV/JSONL: audio_path,audio_id,caption,language")
     g.add_argument("--test-manifest", help="evaluated with retrieval_report after every epoch")
@@ -122,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(or the manifest's directory)",
     )
 
+
+def _add_tower_and_loss_args(p: argparse.ArgumentParser) -> None:
+    """The "models" group (the towers and their weights), then the "loss" group."""
     g = p.add_argument_group("models")
     g.add_argument(
         "--ced-size", default="base", choices=("tiny", "mini", "small", "base"), help="CED width"
@@ -211,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="captions per chunk (default: batch size)",
     )
 
+
+def _add_optimisation_args(p: argparse.ArgumentParser) -> None:
+    """The "optimisation" group: length, batch, optimizer, schedule, precision, seed."""
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=10, help="passes over the training set")
     g.add_argument(
@@ -250,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
 
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """The "output" group: where the run writes, resume, checkpoints, reporting."""
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", help="logs, checkpoints and plots go here")
     g.add_argument(
@@ -287,13 +306,19 @@ def build_parser() -> argparse.ArgumentParser:
         "also write the logged scalars as TensorBoard events in --output-dir/tensorboard "
         "(needs the tensorboard package, in the examples extra)",
     )
-    return p
+
+
+#: Largest --config file read (bytes): a config holds a few dozen options.
+MAX_CONFIG_BYTES = 1 << 24
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--config: {path} does not exist")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"--config {path}: {size} bytes, more than a config file holds")
     text = path.read_text(encoding="utf-8")
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
@@ -302,14 +327,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise ImportError(
                 f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use JSON"
             ) from err
-        data = yaml.safe_load(text)
-    else:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"--config {path}: invalid JSON at line {err.lineno}: {err.msg}"
-            ) from err
+            data = yaml.safe_load(text)
+        except RecursionError:
+            raise ValueError(f"--config {path}: nested too deeply to read") from None
+        if safe_json.depth(data) > safe_json.MAX_DEPTH:
+            raise ValueError(f"--config {path}: nested more than {safe_json.MAX_DEPTH} deep")
+    else:
+        data = safe_json.loads(text, f"--config {path}")
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of option -> value")
     return data

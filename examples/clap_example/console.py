@@ -4,13 +4,14 @@ tables go to files (``eval/step-*.md``), not to the console."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from .durable import warn
 from .evaluation import is_r1
+from .run_folder import RunFolder
 
 
 class PlainBar:
@@ -85,10 +86,13 @@ def epoch_line(summary: dict[str, Any], epochs: int, table: Path | None) -> str:
 
 def closing_lines(run: Path, seconds: float, n_test: int, title: str = "run") -> list[str]:
     """The run's closing block (at most 10 lines), read from its logs."""
-    rows = []
+    folder = RunFolder(run)
     epoch_log = run / "epoch_log.jsonl"
-    if epoch_log.is_file():
-        rows = [json.loads(line) for line in epoch_log.read_text().splitlines() if line.strip()]
+    try:
+        rows = folder.read_jsonl(epoch_log)
+    except ValueError as err:
+        warn(f"{err}; not summarised")
+        rows = []
     losses = [r["train_loss"] for r in rows if r.get("train_loss") is not None]
     steps = rows[-1]["step"] if rows else 0
     lines = [f"{title} finished in {seconds:.0f} s ({len(rows)} epochs, {steps} steps)"]
@@ -108,7 +112,7 @@ def closing_lines(run: Path, seconds: float, n_test: int, title: str = "run") ->
                 f"{value:.2f} (mean over languages; chance {1 / n_test:.2f})"
             )
     plots = run / "plots"
-    if (plots / "summary.png").is_file():
+    if folder.is_file(plots / "summary.png"):
         lines.append(f"  summary plot   {plots / 'summary.png'}")
         others = sorted(p.name for p in plots.glob("*.png") if p.name != "summary.png")
         if others:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -32,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
+from . import safe_json
 from .ced import SAMPLE_RATE
 from .sonar import canonical_language
 
@@ -88,9 +88,9 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ManifestError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+                row = safe_json.loads(line, f"{path}:{line_no}")
+            except ValueError as err:
+                raise ManifestError(str(err)) from None
             if not isinstance(row, dict):
                 raise ManifestError(f"{path}:{line_no}: expected a JSON object, got {row!r:.60}")
             rows.append((line_no, row))

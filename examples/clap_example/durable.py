@@ -12,9 +12,9 @@ messages here name the path; a full disk reads ``ENOSPC``.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 
+from . import safe_json
+
 TMP_PREFIX = ".tmp-"
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def disk_error(err: OSError, path: Path | str, action: str = "writing") -> OSError:
@@ -80,8 +84,9 @@ def atomic_write(path: Path | str, fill: Callable[[_FdWriter], object]) -> None:
     """Write ``path`` through ``fill(writer)`` via a temp file, fsync and ``os.replace``."""
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a killed run's (or a planted link: removed, not followed)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
     except OSError as err:
         raise disk_error(err, path, "creating") from err
     writer = _FdWriter(fd)
@@ -129,12 +134,23 @@ def write_lines(path: Path | str, lines: Iterable[str]) -> None:
     atomic_write_bytes(path, "".join(lines).encode("utf-8"))
 
 
+def _regular(fd: int, path: Path) -> None:
+    """Refuse (and close) a descriptor that is not of a regular file (a FIFO, a device)."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path}: not a regular file (mode {stat.filemode(mode)})")
+
+
 def append_line(path: Path | str, line: str, sync: bool = False) -> None:
-    """Append one line with a single ``write`` (a kill leaves at most a truncated last line)."""
+    """Append one line with a single ``write`` (a kill leaves at most a truncated last line);
+    a link at ``path`` is not followed, and only a regular file is written."""
     path = Path(path)
     data = line.encode("utf-8")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW | NONBLOCK
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(path, flags, 0o644)
+        _regular(fd, path)
     except OSError as err:
         raise disk_error(err, path, "opening") from err
     try:
@@ -150,9 +166,13 @@ def append_line(path: Path | str, line: str, sync: bool = False) -> None:
 def fsync_file(path: Path | str) -> None:
     """fsync an existing file (the logs, before a checkpoint that counts their rows)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_symlink() or not path.is_file():
         return
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK)
+        _regular(fd, path)
+    except OSError as err:
+        raise disk_error(err, path, "opening") from err
     try:
         os.fsync(fd)
     except OSError as err:
@@ -169,28 +189,27 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def read_jsonl(path: Path | str, with_lines: bool = False) -> list[Any]:
-    """Rows of a JSON Lines log. A truncated or garbled *last* line (a kill or a full disk in
-    the middle of an append) is skipped with a warning naming the file; a bad line before the
-    last is an error naming the file and the line. ``with_lines``: ``(line number, row)`` pairs."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+def parse_jsonl(data: bytes, path: Path | str, with_lines: bool = False) -> list[Any]:
+    """Rows of a JSON Lines log (its bytes, read by ``run_folder``). A truncated, garbled or
+    too deeply nested *last* line (a kill or a full disk in the middle of an append) is skipped
+    with a warning naming the file; a bad line before the last is an error naming the file and
+    the line. ``with_lines``: ``(line number, row)`` pairs."""
+    lines = data.decode("utf-8", errors="replace").split("\n")
     numbered = [(i, line) for i, line in enumerate(lines, start=1) if line.strip()]
     rows: list[Any] = []
     for n, (line_no, line) in enumerate(numbered):
         try:
-            row = json.loads(line)
+            row = safe_json.loads(line, f"{path}:{line_no}")
             if not isinstance(row, dict):
-                raise ValueError("not a JSON object")
+                raise ValueError(f"{path}:{line_no}: not a JSON object")
         except ValueError as err:
+            reason = str(err).removeprefix(f"{path}:{line_no}: ")
             if n == len(numbered) - 1:
-                warn(f"{path}:{line_no}: skipping a truncated last line ({err})")
+                warn(f"{path}:{line_no}: skipping a truncated last line ({reason})")
                 break
             raise ValueError(
-                f"{path}:{line_no}: not a JSON object ({err}); fix or delete the line"
-            ) from err
+                f"{path}:{line_no}: not a JSON object ({reason}); fix or delete the line"
+            ) from None
         rows.append((line_no, row) if with_lines else row)
     return rows
 

@@ -16,10 +16,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from .data import AudioOnlyDataset, Clip, collate, eval_captions
-from .durable import atomic_torch_save, atomic_write_text
 from .logs import flatten_metrics
 from .model import ClapModel
 from .objective import Trainable
+from .run_folder import RunFolder
 
 
 def is_r1(key: str) -> bool:
@@ -52,6 +52,7 @@ class Evaluator:
         self.languages = list(languages)
         self.test_clips = list(test_clips)
         self.out = out
+        self.folder = RunFolder(out)
         self.last_table: Path | None = None  # the latest retrieval table written
 
     def embed_audio(self, clips: Sequence[Clip], max_seconds: float | None) -> Tensor:
@@ -130,9 +131,8 @@ class Evaluator:
         self.last_table = None
         if hasattr(report, "to_markdown"):
             table = report.to_markdown()
-            (self.out / "eval").mkdir(exist_ok=True)
             self.last_table = self.out / "eval" / f"step-{step:08d}.md"
-            atomic_write_text(self.last_table, table + "\n")
+            self.folder.write_text(self.last_table, table + "\n")
         return metrics
 
     def select(
@@ -166,10 +166,9 @@ class Evaluator:
         self, loss_fn: torch.nn.Module, step: int, epoch: int, metrics: dict[str, float]
     ) -> None:
         best = self.out / "best"
-        best.mkdir(exist_ok=True)
         # A kill between these files is repaired on resume: the checkpoint before this
         # evaluation repeats it.
-        atomic_torch_save(
+        self.folder.torch_save(
             {
                 "model": self.model.state_dict(),
                 "loss": loss_fn.state_dict(),
@@ -180,7 +179,7 @@ class Evaluator:
             },
             best / "state.pt",
         )
-        atomic_write_text(best / "metrics.json", json.dumps(metrics, indent=2))
+        self.folder.write_text(best / "metrics.json", json.dumps(metrics, indent=2))
 
     @torch.no_grad()
     def embed_training_pairs(

@@ -14,15 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .durable import (
-    append_line,
-    atomic_write_text,
-    fsync_file,
-    read_jsonl,
-    warn,
-    write_lines,
-)
+from .durable import warn
 from .log_history import StepHistory
+from .run_folder import MAX_LOG_BYTES, RunFolder, RunFolderError
 
 
 def to_float(value: Any) -> float | None:
@@ -56,35 +50,45 @@ class StepLog:
     checkpoint's step are dropped, rows up to it that are missing (a deleted or shortened file)
     are recreated from the checkpoint's step history with a warning naming the file, and both
     files are rewritten at once (temp file + replace): a kill at any moment leaves the old log
-    or the new one. :attr:`history` holds the rows for the next checkpoint."""
+    or the new one. :attr:`history` holds the rows for the next checkpoint. A log the run folder
+    refuses (a link, FIFO or device, or over :data:`run_folder.MAX_LOG_BYTES`) is named in a
+    warning and replaced, its rows recreated from the checkpoint as for a missing log."""
 
     def __init__(
         self, directory: Path, name: str, resume_step: int | None, saved: Any = None
     ) -> None:
+        self.folder = RunFolder(directory)
         self.jsonl = directory / f"{name}.jsonl"
         self.csv = directory / f"{name}.csv"
         self.columns: list[str] | None = None
         self.history = StepHistory()
         if resume_step is None:
             for path in (self.jsonl, self.csv):
-                path.unlink(missing_ok=True)
+                self.folder.remove(path)
             return
         kept = self._rows_up_to(resume_step)
         self._recreate(kept, resume_step, saved)
         rows = [kept[step] for step in sorted(kept)]
         self._check_csv(resume_step, len(rows))
-        write_lines(self.jsonl, [json.dumps(row) + "\n" for row in rows])
+        self.folder.write_lines(self.jsonl, [json.dumps(row) + "\n" for row in rows])
         if rows:
             self.columns = list(rows[0])
-            write_lines(self.csv, [self._csv_line(None)] + [self._csv_line(r) for r in rows])
+            lines = [self._csv_line(None)] + [self._csv_line(r) for r in rows]
+            self.folder.write_lines(self.csv, lines)
         else:
-            self.csv.unlink(missing_ok=True)
+            self.folder.remove(self.csv)
         for row in rows:
             self.history.append(row)
 
     def _rows_up_to(self, resume_step: int) -> dict[int, dict[str, Any]]:
         kept: dict[int, dict[str, Any]] = {}
-        for line_no, row in read_jsonl(self.jsonl, with_lines=True):
+        try:
+            logged = self.folder.read_jsonl(self.jsonl, with_lines=True)
+        except RunFolderError as err:
+            warn(f"{err}; not read")
+            logged = []
+            self.folder.remove(self.jsonl)
+        for line_no, row in logged:
             step = row.get("step")
             if not isinstance(step, int) or isinstance(step, bool) or step < 1:
                 raise ValueError(
@@ -125,7 +129,12 @@ class StepLog:
 
     def _check_csv(self, resume_step: int, rows: int) -> None:
         """Warn when the CSV held fewer rows up to ``resume_step`` than it is rewritten with."""
-        had = csv_steps(self.csv, resume_step)
+        try:
+            had = csv_steps(self.folder, self.csv, resume_step)
+        except RunFolderError as err:
+            warn(f"{err}; not read")
+            self.folder.remove(self.csv)
+            had = None
         if had is None and rows:
             warn(f"{self.csv}: missing; rewritten from {self.jsonl.name} ({rows} rows)")
         elif had is not None and had < rows:
@@ -142,17 +151,17 @@ class StepLog:
         return buffer.getvalue()
 
     def write(self, row: dict[str, Any]) -> None:
-        append_line(self.jsonl, json.dumps(row) + "\n")
+        self.folder.append(self.jsonl, json.dumps(row) + "\n")
         if self.columns is None:
             self.columns = list(row)
-            write_lines(self.csv, [self._csv_line(None)])
-        append_line(self.csv, self._csv_line(row))
+            self.folder.write_lines(self.csv, [self._csv_line(None)])
+        self.folder.append(self.csv, self._csv_line(row))
         self.history.append(row)
 
     def sync(self) -> None:
         """fsync both files (before a checkpoint that counts their rows is published)."""
-        fsync_file(self.jsonl)
-        fsync_file(self.csv)
+        self.folder.fsync(self.jsonl)
+        self.folder.fsync(self.csv)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -183,12 +192,13 @@ def step_record(
     return out
 
 
-def csv_steps(path: Path, up_to: int) -> int | None:
+def csv_steps(folder: RunFolder, path: Path, up_to: int) -> int | None:
     """How many distinct steps up to ``up_to`` the CSV log holds (None: no such file);
     unreadable lines count as missing."""
-    if not path.is_file():
+    data = folder.read_bytes(path, MAX_LOG_BYTES)
+    if data is None:
         return None
-    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    lines = data.decode("utf-8", errors="replace").splitlines()
     try:
         reader = csv.reader(lines)
         header = next(reader, [])
@@ -206,13 +216,15 @@ def csv_steps(path: Path, up_to: int) -> int | None:
     return len(steps)
 
 
-def check_epoch_log(path: Path, history: list[dict[str, Any]], resume_step: int) -> None:
+def check_epoch_log(
+    folder: RunFolder, path: Path, history: list[dict[str, Any]], resume_step: int
+) -> None:
     """Warn when ``epoch_log.jsonl`` lacks rows of the checkpoint's history (it is then
     rewritten from the history: nothing continues silently)."""
     if not history:
         return
     try:
-        present = {(r.get("epoch"), r.get("step")) for r in read_jsonl(path)}
+        present = {(r.get("epoch"), r.get("step")) for r in folder.read_jsonl(path)}
     except ValueError as err:
         warn(f"{err}; rewritten from the checkpoint's history ({len(history)} rows)")
         return
@@ -236,12 +248,13 @@ def open_logs(
     ``step_history``, the checkpoint's), ``epoch_log.jsonl`` rewritten from the checkpoint's
     history (rows written after it, a kill before the next checkpoint, are dropped, not
     duplicated; rows missing from it are recreated, with a warning) and ``config.json``."""
+    folder = RunFolder(out)
     log = StepLog(out, "train_log", resume_step, step_history)
     epoch_log = out / "epoch_log.jsonl"
     if resume_step is None:
-        epoch_log.unlink(missing_ok=True)
+        folder.remove(epoch_log)
     else:
-        check_epoch_log(epoch_log, history, resume_step)
-        write_lines(epoch_log, [json.dumps(h) + "\n" for h in history])
-    atomic_write_text(out / "config.json", json.dumps(vars(args), indent=2, default=str))
+        check_epoch_log(folder, epoch_log, history, resume_step)
+        folder.write_lines(epoch_log, [json.dumps(h) + "\n" for h in history])
+    folder.write_text(out / "config.json", json.dumps(vars(args), indent=2, default=str))
     return log

@@ -4,9 +4,13 @@ is loaded.
 A manifest speaks only for its own folder. It lists plain file names (no separator, no ``..``,
 no absolute path) with their SHA-256 and size; the folder, the manifest and every file in it are
 real files and directories, never symbolic links. :func:`verify` checks the manifest's shape
-first (a malformed entry of any type is a :class:`CheckpointError` naming it, never a crash),
-then every file's type and size from ``lstat`` (a 64 GiB sparse file costs one system call),
-and only then the hashes, each file opened with ``O_NOFOLLOW``.
+first (a malformed entry of any type, or JSON nested too deeply, is a :class:`CheckpointError`
+naming it, never a crash), then every file's type and size from ``lstat`` (a 64 GiB sparse file
+costs one system call). The bytes themselves are checked by :func:`read_verified` as they are
+read for loading: each file is read once through a descriptor opened with ``O_NOFOLLOW |
+O_NONBLOCK`` (``run_folder``), those bytes are hashed, and only those bytes are loaded, so a
+file swapped, linked or replaced by a FIFO after :func:`verify` is refused by name, never loaded
+and never waited on.
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from . import safe_json
 from .durable import TMP_PREFIX, atomic_write_text
+from .run_folder import MAX_MANIFEST_BYTES, RunFolder, RunFolderError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-#: A manifest holds a few file digests and the run's options: far below this.
-MAX_MANIFEST_BYTES = 1 << 22
 #: What a manifest may list: a plain name in the checkpoint's folder (the trainer writes
 #: ``state.pt`` and ``rng-rank<r>.pt``). No separator, no leading dot (so no ``.``/``..``).
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
@@ -90,24 +94,20 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest's JSON, checked for shape: every malformed field names itself."""
     path = directory / MANIFEST
     try:
-        info = path.lstat()
-    except FileNotFoundError:
-        info = None
-    if info is None or not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
-        raise CheckpointError(
-            f"{path}: missing (the checkpoint is incomplete, or was written by a trainer "
-            "without manifests): its files cannot be verified"
-        )
-    if stat.S_ISLNK(info.st_mode):
-        raise CheckpointError(f"{path}: a symbolic link; a manifest must be a file of its folder")
-    if info.st_size > MAX_MANIFEST_BYTES:
-        raise CheckpointError(
-            f"{path}: {info.st_size} bytes, far more than a manifest holds; not read"
-        )
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
+        data = RunFolder(directory).read_bytes(path, MAX_MANIFEST_BYTES)
+        if data is None:
+            raise CheckpointError(
+                f"{path}: missing (the checkpoint is incomplete, or was written by a trainer "
+                "without manifests): its files cannot be verified"
+            )
+        manifest = safe_json.loads(data, str(path))
+    except CheckpointError:
+        raise
+    except RunFolderError as err:
+        raise CheckpointError(f"{err}; a manifest must be a file of its folder") from None
     except ValueError as err:
-        raise CheckpointError(f"{path}: not a valid checkpoint manifest ({err})") from err
+        reason = str(err).removeprefix(f"{path}: ")
+        raise CheckpointError(f"{path}: not a valid checkpoint manifest ({reason})") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: holds a JSON {type(manifest).__name__}, not an object")
     if manifest.get("name") != directory.name:
@@ -131,9 +131,10 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
 
 
 def verify(directory: Path) -> dict[str, Any]:
-    """The checkpoint's manifest, once every file matches it; else :class:`CheckpointError`
-    naming the first entry or file that does not. Types and sizes are checked for every file
-    before the first byte is hashed."""
+    """The checkpoint's manifest, once it is well formed, lists every file of the folder and
+    every file it lists is a regular one of its size; else :class:`CheckpointError` naming the
+    first entry or file that does not. The hashes are checked by :func:`read_verified`, on the
+    bytes that are loaded."""
     if directory.is_symlink():
         raise CheckpointError(
             f"{directory}: a symbolic link (to {os.readlink(directory)!r}); a checkpoint is a "
@@ -166,17 +167,31 @@ def verify(directory: Path) -> dict[str, Any]:
                 f"{file}: {info.st_size} bytes, the manifest says {expected['size']} "
                 "(truncated or replaced after it was saved)"
             )
-    for name, expected in files.items():
-        file = directory / name
-        try:
-            actual = file_digest(file)
-        except OSError as err:  # replaced by a link or removed since the lstat above
-            raise CheckpointError(f"{file}: cannot be read ({err.strerror})") from None
-        if actual["size"] != expected["size"]:  # changed while it was being read
-            raise CheckpointError(f"{file}: changed while it was being verified")
-        if actual["sha256"] != expected["sha256"]:
-            raise CheckpointError(
-                f"{file}: sha256 {actual['sha256'][:16]}... does not match the manifest's "
-                f"{expected['sha256'][:16]}... (the file changed after it was saved)"
-            )
     return manifest
+
+
+def read_verified(
+    directory: Path, name: str, manifest: dict[str, Any], root: Path | None = None
+) -> bytes:
+    """The bytes of ``name``, a file :func:`verify` checked, read once (``O_NOFOLLOW |
+    O_NONBLOCK`` on every component below ``root``, default the checkpoint's parent; a regular
+    file of exactly the manifest's size) and hashed: what a caller loads is what matched the
+    manifest. :class:`CheckpointError` naming the file when it is now a link, a FIFO, a device,
+    of another size, or holds other bytes."""
+    file, expected = directory / name, manifest["files"][name]
+    folder = RunFolder(directory.parent if root is None else root)
+    try:
+        data = folder.read_bytes(file, expected["size"], size=expected["size"])
+    except RunFolderError as err:
+        raise CheckpointError(f"{err} (changed after the checkpoint was verified)") from None
+    except OSError as err:
+        raise CheckpointError(f"{file}: cannot be read ({err.strerror or err})") from None
+    if data is None:
+        raise CheckpointError(f"{file}: listed in {directory / MANIFEST} but missing")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != expected["sha256"]:
+        raise CheckpointError(
+            f"{file}: sha256 {digest[:16]}... does not match the manifest's "
+            f"{expected['sha256'][:16]}... (the file changed after it was saved)"
+        )
+    return data

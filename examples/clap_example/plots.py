@@ -10,6 +10,7 @@ too), ``retrieval_r1.png`` (R@1 per language, one panel per direction) and
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ from typing import Any
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from .durable import read_jsonl
+from .durable import warn
+from .run_folder import RunFolder
 
 #: Step-log keys drawn as loss parameters (own axes), not as loss terms.
 _PARAM_WORDS = ("temperature", "radius", "scale", "bias", "reliability")
@@ -196,16 +198,19 @@ def plot_run(out_dir: str | Path, chance: float | None = None) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
+    folder = RunFolder(out_dir)
     plots = out_dir / "plots"
-    plots.mkdir(exist_ok=True)
-    steps = read_jsonl(out_dir / "train_log.jsonl")
-    epochs = [row for row in read_jsonl(out_dir / "epoch_log.jsonl") if row.get("metrics")]
+    folder.dir(plots, create=True)
+    steps, epochs = _rows(folder, "train_log.jsonl"), _rows(folder, "epoch_log.jsonl")
+    epochs = [row for row in epochs if row.get("metrics")]
     written: list[Path] = []
 
     def save(fig: Any, name: str) -> None:
         written.append(plots / name)
-        fig.savefig(written[-1], dpi=100)
+        image = io.BytesIO()
+        fig.savefig(image, format="png", dpi=100)
         plt.close(fig)
+        folder.write_bytes(written[-1], image.getvalue())
 
     if steps or epochs:
         save(summary_figure(plt, out_dir, steps, epochs, chance), "summary.png")
@@ -220,6 +225,15 @@ def plot_run(out_dir: str | Path, chance: float | None = None) -> list[Path]:
     if epochs:
         save(_retrieval(plt, epochs, chance), "retrieval_r1.png")
     return written
+
+
+def _rows(folder: RunFolder, name: str) -> list[dict[str, Any]]:
+    """A log's rows for the plots; a log the run folder refuses is named and not plotted."""
+    try:
+        return folder.read_jsonl(folder.root / name)
+    except ValueError as err:
+        warn(f"{err}; not plotted")
+        return []
 
 
 def _lr_and_params(plt: Any, steps: list[dict[str, Any]]) -> Any:

@@ -33,6 +33,7 @@ from .data import (
 from .durable import TMP_PREFIX, remove_tree
 from .model import ClapModel, load_mlclap_checkpoint
 from .objective import text_mode
+from .run_folder import RunFolder, RunFolderError
 from .sonar import load_sonar_encoder
 from .sources import HubRepo, locate
 
@@ -49,6 +50,8 @@ ARTEFACTS = (
     "config.json",
     "tensorboard",
 )
+#: The directories among them (each a real directory of the run folder, never a link).
+RUN_DIRS = ("checkpoints", "best", "eval", "plots", "tensorboard")
 
 
 @dataclass
@@ -126,11 +129,18 @@ def check_sources(args: argparse.Namespace, generated: tuple[str, ...] = ()) -> 
 
 
 def output_dir_problem(out: Path, args: argparse.Namespace, label: str | None = None) -> str | None:
-    """Why ``out`` cannot be used as it is (a file; not empty without --resume/--overwrite);
-    ``label`` names it as the user typed it (default ``--output-dir OUT``)."""
+    """Why ``out`` cannot be used as it is (a file; not empty without --resume/--overwrite;
+    one of its folders a link, FIFO or device: ``run_folder``'s rule, unless --overwrite
+    deletes it); ``label`` names it as the user typed it (default ``--output-dir OUT``)."""
     label = label or f"--output-dir {out}"
     if out.exists() and not out.is_dir():
         return f"{label} is a file, not a directory"
+    if out.is_dir() and not args.overwrite:
+        try:
+            for name in RUN_DIRS:
+                RunFolder(out).dir(out / name)
+        except RunFolderError as err:
+            return f"{label}: {err}"
     if out.is_dir():
         entries = sorted(p.name for p in out.iterdir())
         if entries and not args.resume and not args.overwrite:
@@ -146,13 +156,15 @@ def output_dir_problem(out: Path, args: argparse.Namespace, label: str | None = 
 def prepare_output_dir(out: Path, overwrite: bool) -> None:
     """Create the folders (after every check passed); --overwrite clears the earlier run's
     files, and a killed run's temporary files go."""
+    folder = RunFolder(out)
     if overwrite and out.is_dir():
         for name in ARTEFACTS:
-            remove_tree(out / name)
-    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-    for folder in (out, out / "checkpoints", out / "best"):
-        if folder.is_dir():  # temp files of a killed run
-            for stale in folder.glob(f"{TMP_PREFIX}*"):
+            folder.remove(out / name)  # a link is removed, never followed
+    out.mkdir(parents=True, exist_ok=True)
+    folder.dir(out / "checkpoints", create=True)
+    for directory in (out, out / "checkpoints", out / "best"):
+        if folder.dir(directory) is not None:  # temp files of a killed run
+            for stale in directory.glob(f"{TMP_PREFIX}*"):
                 remove_tree(stale)
 
 

@@ -26,29 +26,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import (
-    REQUIRED_STATE,
-    CheckpointStore,
-    ResumePoint,
-    already_complete,
-    check_finite,
-    load_modules,
-    reset_schedule,
-    restore_rng,
-    resume_point,
-    rng_state,
-)
+from .checkpoint import already_complete, read_summary, resume_point
 from .config import parse_args
 from .console import closing_lines, epoch_line
 from .distributed import (
     allreduce_gradients,
     average_buffers,
     broadcast_module,
-    from_main,
     init_distributed,
     ranks_in_sync,
 )
-from .durable import append_line, atomic_write_text, fsync_file
 from .evaluation import Evaluator, build_bank_if_due
 from .logs import flatten_metrics, open_logs, peak_memory_mb, step_record
 from .objective import (
@@ -59,6 +46,7 @@ from .objective import (
     select_texts,
     text_mode,
 )
+from .run_folder import RunFolder
 from .signals import StopSignals, resume_command
 from .startup import (
     amp_dtype,
@@ -71,6 +59,7 @@ from .startup import (
     prepare_output_dir,
     read_data,
 )
+from .trainer_checkpoints import TrainerCheckpoints
 from .update import guarded_update
 
 # Re-exported: the names tests and users import from here.
@@ -100,6 +89,7 @@ class Trainer:
         self.rank, self.world, self.device = init_distributed(args.device)
         self.is_main = self.rank == 0
         self.out = Path(args.output_dir)
+        self.folder = RunFolder(self.out)  # every file of the run goes through it
         self.amp_dtype = amp_dtype(args.amp, self.device)
 
         # Data first: manifest errors should come before minutes of model loading.
@@ -108,7 +98,7 @@ class Trainer:
         self.train_clips, self.test_clips = data.train_clips, data.test_clips
         self.train_set, self.sampler = data.train_set, data.sampler
         self.steps_per_epoch, self.total_steps = data.steps_per_epoch, data.total_steps
-        self.checkpoints = CheckpointStore(self.out, self.rank, self.world, args.keep_checkpoints)
+        self.checkpoints = TrainerCheckpoints(self)
         point = resume_point(self.out, args, self.is_main, self.world)
         self.already_complete = point is not None and already_complete(
             self.out, point.manifest, args.epochs, self.total_steps, self.is_main, self.world
@@ -155,14 +145,14 @@ class Trainer:
         self.epoch_elapsed = 0.0  # training seconds of the current epoch
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
-        self.stop = StopSignals(self.is_main, self._restart_point)
+        self.stop = StopSignals(self.is_main, self.checkpoints.restart_point)
 
         # Every check passed: only now is the output directory created or changed.
         if self.is_main:
             prepare_output_dir(self.out, bool(args.overwrite))
         if self.world > 1:
             dist.barrier()
-        resume_step = self._restore(point) if point is not None else None
+        resume_step = self.checkpoints.restore(point) if point is not None else None
         self.log = (
             open_logs(self.out, args, resume_step, self.history, self.saved_step_log)
             if self.is_main
@@ -172,7 +162,7 @@ class Trainer:
         if self.is_main and args.tensorboard:
             from .board import ScalarBoard
 
-            self.board = ScalarBoard(self.out / "tensorboard", resume_step)
+            self.board = ScalarBoard(self.folder, resume_step)
 
     @property
     def stop_signal(self) -> int | None:
@@ -180,47 +170,6 @@ class Trainer:
 
     def _lr_factor(self, step: int) -> float:
         return lr_factor(self.args, self.steps_per_epoch, self.total_steps, step)
-
-    # --- resume ---------------------------------------------------------------------------
-
-    def _restore(self, point: ResumePoint) -> int:
-        """Load the checkpoint; the learning rate is recomputed for its step under the current
-        options (the same value when they did not change)."""
-        directory = point.directory
-        state = self.checkpoints.load(directory / "state.pt", self.device, REQUIRED_STATE)
-        bank = self.bank if self.ask else None
-        load_modules(
-            directory / "state.pt", state, self.model, self.loss_fn, bank, self.optimizer,
-            self.scheduler, self.scaler
-        )  # fmt: skip
-        reset_schedule(self.optimizer, self.scheduler, self.args, self._lr_factor)
-        self.step = int(state["step"])
-        self.epoch = int(state["epoch"])
-        self.batch_in_epoch = int(state["batch_in_epoch"])
-        self.best = state["best"]
-        self.history = list(state["history"])
-        self.saved_step_log = state.get("step_log")
-        self.bank_epoch = state.get("bank_epoch")
-        self.epoch_losses = list(state.get("epoch_losses", []))
-        self.epoch_elapsed = float(state.get("epoch_elapsed", 0.0))
-        self.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
-        self.nonfinite_total = int(state.get("nonfinite_total", 0))
-        restore_rng(directory / f"rng-rank{self.rank}.pt", self.lang_gen, self.is_main)
-        self.checkpoints.published = directory.name
-        self.checkpoints.published_step = self.step
-        if self.is_main:
-            print(
-                f"[resume] from {directory}: step {self.step}, epoch {self.epoch + 1}, "
-                f"batch {self.batch_in_epoch}",
-                file=sys.stderr,
-                flush=True,
-            )
-        return self.step
-
-    def _restart_point(self) -> str:
-        if self.checkpoints.published is None:
-            return "step 0 (no checkpoint saved yet)"
-        return f"{self.checkpoints.published} (step {self.checkpoints.published_step})"
 
     # --- one step -------------------------------------------------------------------------
 
@@ -293,8 +242,7 @@ class Trainer:
         """
         args = self.args
         if self.already_complete:
-            summary = self.out / "summary.json"
-            return json.loads(summary.read_text()) if summary.is_file() else {}
+            return read_summary(self.out)
         with self.stop.installed():
             while self.epoch < args.epochs:
                 epoch = self.epoch
@@ -321,7 +269,9 @@ class Trainer:
             "ranks_in_sync": self.ranks_in_sync(),
         }
         if self.is_main:
-            atomic_write_text(self.out / "summary.json", json.dumps(result, indent=2, default=str))
+            self.folder.write_text(
+                self.out / "summary.json", json.dumps(result, indent=2, default=str)
+            )
         return result
 
     def _train_epoch(self, epoch: int) -> None:
@@ -393,7 +343,7 @@ class Trainer:
         self.epoch_losses = []
         self.epoch_elapsed = 0.0
         if self.is_main:
-            append_line(self.out / "epoch_log.jsonl", json.dumps(summary) + "\n")
+            self.folder.append(self.out / "epoch_log.jsonl", json.dumps(summary) + "\n")
             if self.board is not None:
                 self.board.epoch(summary)
             table = self.evaluator.last_table if summary.get("metrics") else None
@@ -440,61 +390,17 @@ class Trainer:
         )
         return out
 
-    # --- checkpoints ----------------------------------------------------------------------
+    # --- checkpoints (trainer_checkpoints) -------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """Everything a resume needs, as tensors and plain types (loadable with
-        ``weights_only=True``)."""
-        state: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "loss": self.loss_fn.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "step": self.step,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "best": self.best,
-            "history": self.history,
-            "step_log": self.log.history.state_dict() if self.log is not None else None,
-            "bank_epoch": self.bank_epoch,
-            "epoch_losses": list(self.epoch_losses),
-            "epoch_elapsed": self.epoch_elapsed,
-            "nonfinite_in_row": self.nonfinite_in_row,
-            "nonfinite_total": self.nonfinite_total,
-            "args": vars(self.args),
-        }
-        if self.ask:
-            state["bank"] = self.bank.state_dict()
-        return state
-
-    def rng_state(self) -> dict[str, Any]:
-        return rng_state(self.lang_gen)
+        return self.checkpoints.state()
 
     def _latest_name(self) -> str | None:
         return self.checkpoints.published
 
     def save_checkpoint(self) -> Path:
         """``checkpoints/step-N`` with its manifest, then ``latest`` (see ``checkpoint.py``)."""
-        # every rank: the weights are the same everywhere
-        check_finite(self.trainable, self.step, self.checkpoints.published)
-        store = self.checkpoints
-        name = from_main(store.new_name(self.step) if self.is_main else None, self.world)
-        meta = {
-            "step": self.step,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "closed": bool(self.history) and self.history[-1]["step"] == self.step,
-            "world_size": self.world,
-            "args": vars(self.args),
-        }
-
-        def before_publish() -> None:
-            if self.log is not None:
-                self.log.sync()  # the rows up to this step are on disk before `latest`
-            fsync_file(self.out / "epoch_log.jsonl")
-
-        return store.save(name, self.state, self.rng_state(), meta, before_publish)
+        return self.checkpoints.save()
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

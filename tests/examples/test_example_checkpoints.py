@@ -56,11 +56,16 @@ def paused_once(tmp_path_factory: pytest.TempPathFactory, base_config: dict[str,
     return out
 
 
+def copy_run(once: Path, tmp_path: Path) -> Path:
+    """A test's own copy of a run trained once per module."""
+    out = tmp_path / "run"
+    shutil.copytree(once, out, symlinks=True)
+    return out
+
+
 @pytest.fixture
 def paused(tmp_path: Path, paused_once: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(paused_once, out, symlinks=True)
-    return out
+    return copy_run(paused_once, tmp_path)
 
 
 def resume(out: Path, cfg: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -279,22 +284,18 @@ DAMAGE = {
 
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every file a resume hashes or unpickles (spied on)."""
-    from clap_example import checkpoint, manifest
+    """Every file a resume reads (to hash and load it, or as its manifest), spied on at the
+    one place that reads the run folder's files."""
+    from clap_example import run_folder
 
     seen: list[str] = []
-    digest, load = manifest.file_digest, checkpoint.CheckpointStore.load
+    read = run_folder.RunFolder.read_bytes
 
-    def spy_digest(path: Path) -> dict[str, Any]:
+    def spy(self: Any, path: Path, *args: Any, **kwargs: Any) -> bytes | None:
         seen.append(str(path))
-        return digest(path)
+        return read(self, path, *args, **kwargs)
 
-    def spy_load(path: Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        seen.append(str(path))
-        return load(path, *args, **kwargs)
-
-    monkeypatch.setattr(manifest, "file_digest", spy_digest)
-    monkeypatch.setattr(checkpoint.CheckpointStore, "load", staticmethod(spy_load))
+    monkeypatch.setattr(run_folder.RunFolder, "read_bytes", spy)
     return seen
 
 
