@@ -19,9 +19,14 @@ SNIPPETS = Path(__file__).resolve().parents[1] / "docs" / "snippets"
 
 
 @pytest.fixture
-def run_snippet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+def run_snippet(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+):
     """``run(name)`` -> the script's globals; what it printed is echoed to the test log."""
-    monkeypatch.syspath_prepend(str(SNIPPETS))
+    # Pasted as shown: run from an empty folder, docs/snippets not on the path, so a
+    # recipe that imports a helper only the docs folder has fails here.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != SNIPPETS])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is downloaded; make sure of it
 
     def run(name: str) -> dict[str, Any]:
@@ -51,7 +56,7 @@ def test_hugging_face_clap_snippet(run_snippet):
 
 def test_hugging_face_trainer_snippet(run_snippet):
     pytest.importorskip("transformers", reason="the examples extra is not installed")
-    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (dev extra)")
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (examples extra)")
     _falls(run_snippet("hf_trainer.py")["losses"])
 
 
