@@ -43,6 +43,7 @@ PAGES = [
     "methods/svr",
     "methods/ask",
     "trainer",
+    "checkpoints",
     "metrics",
     "example",
     "benchmarks",

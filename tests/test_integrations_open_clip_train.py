@@ -312,9 +312,13 @@ def test_real_open_clip_trainer_trains_the_dynamic_radius(tmp_path):
     import open_clip
     import open_clip_train.main as trainer
 
-    config = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32,
-              "patch_size": 16}, "text_cfg": {"context_length": 16, "vocab_size": 49408,
-              "width": 32, "heads": 2, "layers": 1}}  # fmt: skip
+    config = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16,
+                       "patch_size": 16},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2,
+                     "layers": 1},
+    }  # fmt: skip
     (tmp_path / "cl-tiny.json").write_text(json.dumps(config))
     open_clip.add_model_config(tmp_path / "cl-tiny.json")
     installed = oct.install(svr={"radius": "dynamic"})
