@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 import types
@@ -308,33 +309,31 @@ def _real_trainer_importable() -> bool:
     reason="open_clip_train does not import here (it needs torchvision): "
     "pip install 'open_clip_torch[training]' in a venv with a matching torchvision",
 )
-def test_real_open_clip_trainer_trains_the_dynamic_radius(tmp_path):
-    import open_clip
-    import open_clip_train.main as trainer
-
-    config = {
-        "embed_dim": 16,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16,
-                       "patch_size": 16},
-        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2,
-                     "layers": 1},
-    }  # fmt: skip
-    (tmp_path / "cl-tiny.json").write_text(json.dumps(config))
-    open_clip.add_model_config(tmp_path / "cl-tiny.json")
-    installed = oct.install(svr={"radius": "dynamic"})
+def test_real_open_clip_trainer_trains_the_dynamic_radius(tmp_path, monkeypatch):
+    """The docs' by-hand check (docs/snippets/open_clip_trainer_check.py), one epoch:
+    open_clip_train.main with ``install(svr={"radius": "dynamic"})`` on 128 real PNGs."""
+    check = runpy.run_path(str(Path(__file__).resolve().parents[1] / "docs" / "snippets"
+                               / "open_clip_trainer_check.py"))  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    check["make_data"]()
+    flags = ["--train-data", "train.csv", "--csv-img-key", "filepath",
+             "--csv-caption-key", "title", "--csv-separator", "\t",
+             "--train-num-samples", "128", "--model", "cl-tiny", "--batch-size", "16",
+             "--epochs", "1", "--lr", "1e-3", "--precision", "fp32", "--workers", "0",
+             "--device", "cpu", "--log-every-n-steps", "1", "--logs", "logs",
+             "--name", "svr"]  # fmt: skip
     try:
-        trainer.main(["--dataset-type", "synthetic", "--train-num-samples", "64",
-                      "--batch-size", "16", "--epochs", "1", "--model", "cl-tiny",
-                      "--device", "cpu", "--workers", "0", "--lr", "1e-3",
-                      "--logs", str(tmp_path / "logs"), "--name", "run",
-                      "--log-every-n-steps", "1", "--save-frequency", "1"])  # fmt: skip
+        check["run"]("svr", flags)
     finally:
-        installed.uninstall()
-    assert len(installed.models) == 1
-    saved = torch.load(tmp_path / "logs" / "run" / "checkpoints" / "epoch_1.pt")["state_dict"]
-    fresh = oct._radius_holder({"radius": "dynamic"}).state_dict()
-    keys = [k for k in saved if k.startswith(oct.SUBMODULE + ".")]
-    assert len(keys) == len(fresh)
-    assert any(not torch.equal(saved[k], fresh[k.split(".", 1)[1]]) for k in keys)
-    log = (tmp_path / "logs" / "run" / "out.log").read_text()
-    assert "Svr_loss" in log and "Svr_constraint_loss" in log
+        for active in list(oct._active):
+            active.uninstall()
+    result = json.loads((tmp_path / "svr.json").read_text())
+    assert len(result["losses"]) == 8
+    assert all(set(step) == {"contrastive_loss", "svr_loss", "svr_constraint_loss"}
+               for step in result["losses"])  # fmt: skip
+    assert len(result["radius_parameters"]) == 6  # the predictor's, on the model
+    assert all(change > 0 for change in result["radius_change"].values()), result
+    saved = torch.load(tmp_path / "logs" / "svr" / "checkpoints" / "epoch_1.pt")
+    assert set(result["radius_parameters"]) <= set(saved["state_dict"])
+    log = (tmp_path / "logs" / "svr" / "out.log").read_text()
+    assert log.count("Svr_loss") == 8 and "Svr_constraint_loss" in log

@@ -802,8 +802,8 @@ def panel_slope(ax: Any, runs: Runs) -> str:
     trajectories(ax, runs, REF, "svr_radius_slope", _radius_methods(runs))
     ax.set_yscale("symlog", linthresh=1e-3)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_ylabel("svr_radius_slope (< 0: pushes R up)")
-    return f"{REF}: svr_radius_slope"
+    ax.set_ylabel("svr_radius_slope")
+    return f"{REF}: svr_radius_slope (< 0: the SVR pushes R up)"
 
 
 def panel_hard_negatives(ax: Any, runs: Runs) -> str:
