@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -276,8 +277,8 @@ def _output(loss: nn.Module, total: Tensor, output_dict: bool) -> Tensor | dict[
 
 def _follow(loss: nn.Module, features: Tensor) -> None:
     """Move the loss to the features' device (open_clip never moves its loss)."""
-    buffer = next(loss.buffers(), None)
-    if buffer is not None and buffer.device != features.device:
+    tensor = next(itertools.chain(loss.buffers(), loss.parameters()), None)
+    if tensor is not None and tensor.device != features.device:
         loss.to(features.device)
 
 
