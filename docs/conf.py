@@ -44,6 +44,7 @@ API_MODULES = [
     "contrastive_losses.distributed",
     "contrastive_losses.integrations",
     "contrastive_losses.integrations.open_clip",
+    "contrastive_losses.integrations.open_clip_train",
 ]
 # Modules still on their feature branches. A pending module that does not import is left
 # out of the API reference and its doctest snippets are skipped (`:skipif: pending(...)`);

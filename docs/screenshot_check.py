@@ -1,10 +1,13 @@
-"""Build the docs, check every expected page exists, and screenshot two of them.
+"""Build the docs, check every expected page exists, screenshot some, and check that
+nothing is cut at 1280 px.
 
     python docs/screenshot_check.py                 # build into docs/_build/screenshot
     python docs/screenshot_check.py --html DIR      # check an existing HTML build
 
 Needs Chromium (Debian: ``apt-get install chromium``); not run in CI. Exits 1 when a page
-is missing, a screenshot is blank, or the maths did not typeset. Prints the PNG paths.
+is missing, a screenshot is blank, the maths did not typeset, a page of ``CUT_CHECK`` shows
+a code block, figure, table or equation wider than its column at 1280 px (its end hidden),
+or a long page has no visible "On this page" list there. Prints the PNG paths.
 
 MathJax: the build copies a local MathJax into ``_static/mathjax`` when one is installed
 (``docs/_ext/cl_mathjax.py``: the ``docs`` extra's django-static-mathjax, else Debian's
@@ -17,7 +20,9 @@ typeset the method page's equations.
 from __future__ import annotations
 
 import argparse
+import html as html_lib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -38,6 +43,7 @@ PAGES = [
     "methods/svr",
     "methods/ask",
     "trainer",
+    "checkpoints",
     "metrics",
     "example",
     "benchmarks",
@@ -46,7 +52,42 @@ PAGES = [
     "genindex",
     "search",
 ]
-SHOTS = {"landing": "index", "method": "methods/kcl"}
+SHOTS = {
+    "landing": "index",
+    "method": "methods/kcl",
+    "trainer": "trainer",
+    "svr": "methods/svr",
+    "performance": "performance",
+}
+CUT_CHECK = ["trainer", "methods/svr", "performance", "large_batches", "index"]
+WIDTH = 1280
+
+# Run in the page after load: every code block, image, table and display equation of the
+# article whose content is wider than its box or that sticks out of the article, and
+# whether the "On this page" list is on screen. The result lands in <pre id=cl-layout>.
+LAYOUT_PROBE = """<script>
+window.addEventListener("load", () => setTimeout(() => {
+  const main = document.querySelector("article[role=main]") || document.body;
+  const edge = main.getBoundingClientRect().right + 4;  // a table's border may overhang
+  const cut = [];
+  for (const el of main.querySelectorAll("pre, img, table, div.math")) {
+    const box = el.getBoundingClientRect();
+    if (el.scrollWidth > el.clientWidth + 1 || box.right > edge) {
+      const what = (el.getAttribute("src") || el.textContent || "").trim();
+      const by = Math.max(el.scrollWidth - el.clientWidth, box.right - edge + 4);
+      cut.push(el.tagName.toLowerCase() + " (" + Math.round(by) + " px over): "
+               + what.slice(0, 80).replace(/\\s+/g, " "));
+    }
+  }
+  const toc = document.querySelector(".toc-drawer");
+  const box = toc ? toc.getBoundingClientRect() : null;
+  const tocShown = !!box && box.width > 0 && box.left >= 0 && box.right <= innerWidth + 1;
+  const out = document.createElement("pre");
+  out.id = "cl-layout";
+  out.textContent = JSON.stringify({cut: cut, toc: tocShown, height: document.body.scrollHeight});
+  document.body.appendChild(out);
+}, 1000));
+</script>"""
 
 
 def api_pages() -> list[str]:
@@ -98,14 +139,30 @@ def chromium_cmd(*args: str) -> list[str]:
     ]
 
 
-def screenshot(page: Path, png: Path) -> None:
-    cmd = chromium_cmd(f"--screenshot={png}", "--window-size=1280,900", page.as_uri())
+def screenshot(page: Path, png: Path, height: int = 900) -> None:
+    cmd = chromium_cmd(f"--screenshot={png}", f"--window-size={WIDTH},{height}", page.as_uri())
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
 
 
 def rendered_dom(page: Path) -> str:
-    cmd = chromium_cmd("--dump-dom", page.as_uri())
+    cmd = chromium_cmd("--dump-dom", f"--window-size={WIDTH},900", page.as_uri())
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
+def layout(page: Path) -> dict:
+    """What LAYOUT_PROBE finds on ``page`` at WIDTH px (a probed copy beside it)."""
+    probed = page.with_name(page.stem + ".cl-layout.html")
+    text = page.read_text(encoding="utf-8")
+    probed.write_text(text.replace("</body>", LAYOUT_PROBE + "</body>"), encoding="utf-8")
+    try:
+        dom = rendered_dom(probed)
+    finally:
+        probed.unlink()
+    start = dom.find('<pre id="cl-layout">')
+    if start < 0:
+        return {"cut": ["the layout probe did not run"], "toc": False, "height": 0}
+    body = dom[start + len('<pre id="cl-layout">') : dom.index("</pre>", start)]
+    return json.loads(html_lib.unescape(body))
 
 
 def png_pixels(png: Path) -> tuple[int, int, bytes]:
@@ -179,6 +236,15 @@ def main() -> int:
         print(f"{png}  ({page}.html, {share:.1%} non-background pixels)")
         if share < 0.01:
             failures.append(f"{png} is blank ({share:.2%} non-background pixels)")
+    for page in CUT_CHECK:
+        if page in missing:
+            continue
+        found = layout(html / f"{page}.html")
+        print(f"{page}.html at {WIDTH} px: {len(found['cut'])} cut, 'On this page' "
+              f"{'shown' if found['toc'] else 'hidden'}, {found['height']} px tall")  # fmt: skip
+        failures += [f"{page}.html: cut at {WIDTH} px: {c}" for c in found["cut"]]
+        if found["height"] > 3000 and not found["toc"]:
+            failures.append(f"{page}.html: {found['height']} px long, no 'On this page' list")
     method = html / f"{SHOTS['method']}.html"
     if method.is_file() and "_static/mathjax/" in method.read_text(encoding="utf-8"):
         dom = rendered_dom(method)

@@ -8,8 +8,6 @@ gives the fix, our symmetric loss on the model's scale."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ import torch
 from contrastive_losses.functional import info_nce
 
 pytest.importorskip("transformers", reason="the examples extra (transformers) is not installed")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "snippets"))
 from hf_tiny_clap import tiny_batch, tiny_clap
 
 

@@ -51,6 +51,7 @@ PUBLIC_ALL = {
     ],
     "contrastive_losses.integrations": [],
     "contrastive_losses.integrations.open_clip": ["ClipLoss", "SigLipLoss"],
+    "contrastive_losses.integrations.open_clip_train": ["Installation", "install", "main"],
     "contrastive_losses.losses": [
         "CACLLoss",
         "ContrastivePair",

@@ -842,6 +842,24 @@ def test_half_precision_nearly_aligned_pairs_have_finite_gradients(gen, dtype, w
     assert full[1].abs().max() > 1e-3  # the comparison sees real gradients
 
 
+@pytest.mark.parametrize("radius", ["dynamic", "static", 0.1])
+def test_under_autocast_the_svr_runs_in_float32(gen, radius):
+    """open_clip's trainer calls its loss inside ``torch.autocast``: the SVR term (its
+    matmuls and the predictor) still runs in float32, as documented, where autocast would
+    have mixed a float16 similarity with a float32 radius (a RuntimeError in lerp)."""
+    a = randn(gen, 16, 32).float().requires_grad_()
+    t = randn(gen, 16, 32).float()
+    svr = SupportVectorRegularizer(InfoNCELoss(0.07), radius=radius)
+    _, plain = svr(a, t, return_terms=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss, terms = svr(a, t, return_terms=True)
+    loss.backward()
+    assert a.grad is not None and torch.isfinite(a.grad).all()
+    assert terms["svr"].dtype == torch.float32
+    torch.testing.assert_close(terms["svr"], plain["svr"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(terms["constraint"], plain["constraint"], rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------ training checks
 
 

@@ -13,15 +13,21 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import CountingBackend
 from torch import nn
 
 SNIPPETS = Path(__file__).resolve().parents[1] / "docs" / "snippets"
 
 
 @pytest.fixture
-def run_snippet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+def run_snippet(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+):
     """``run(name)`` -> the script's globals; what it printed is echoed to the test log."""
-    monkeypatch.syspath_prepend(str(SNIPPETS))
+    # Pasted as shown: run from an empty folder, docs/snippets not on the path, so a
+    # recipe that imports a helper only the docs folder has fails here.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != SNIPPETS])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is downloaded; make sure of it
 
     def run(name: str) -> dict[str, Any]:
@@ -51,7 +57,9 @@ def test_hugging_face_clap_snippet(run_snippet):
 
 def test_hugging_face_trainer_snippet(run_snippet):
     pytest.importorskip("transformers", reason="the examples extra is not installed")
-    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (dev extra)")
+    pytest.importorskip(
+        "accelerate", reason="transformers.Trainer needs accelerate (examples extra)"
+    )
     _falls(run_snippet("hf_trainer.py")["losses"])
 
 
@@ -92,12 +100,20 @@ def test_lightning_snippet(run_snippet, monkeypatch):
 
 
 def test_compile_snippet(run_snippet, monkeypatch):
-    """Compiled with ``aot_eager`` here (inductor's C++ build takes minutes on CI's two
-    cores; the compiled-loop tests run inductor once), and never recompiled after the
-    first step."""
+    """The page's claim: ``fullgraph=True`` with the value checks on (the snippet's
+    default) gives one graph and no recompile over the loop. Compiled with ``aot_eager``
+    here (inductor's C++ build takes minutes on CI's two cores; the compiled-loop tests
+    run inductor once)."""
     import torch._dynamo
 
+    from contrastive_losses import _checks
+
     torch._dynamo.reset()
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    counter = CountingBackend("aot_eager")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    _falls(run_snippet("compile_loop.py")["history"])
+    assert _checks.resolve_validate(None)  # the checks are on
+    result = run_snippet("compile_loop.py")
+    assert result["loss_fn"].base.validate_args is None and result["loss_fn"].validate_args is None
+    assert counter.calls == 1, f"{counter.calls} graphs for one loop"
+    _falls(result["history"])

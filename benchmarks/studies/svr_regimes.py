@@ -66,7 +66,8 @@ Measured, 5 seeds (seed-paired: the same world, checkpoint and order for every m
 ``benchmarks/results/quick/studies/`` (a check that the script runs: 67 s at load 3.5).
 ``--render`` re-renders the tables and figure from the saved JSON.
 
-Writes ``benchmarks/results/studies/svr_regimes.{md,json,png}``.
+Writes ``benchmarks/results/studies/svr_regimes.{md,json}`` and one PNG per figure,
+``svr_regimes_<name>.png`` (``PANELS``).
 """
 
 from __future__ import annotations
@@ -735,7 +736,7 @@ COLOURS = {
 }
 
 
-def paired_bars(ax: Any, runs: Runs, cells: list[str], methods: list[str], title: str) -> None:
+def paired_bars(ax: Any, runs: Runs, cells: list[str], methods: list[str]) -> None:
     series = {
         m: [
             [
@@ -751,56 +752,102 @@ def paired_bars(ax: Any, runs: Runs, cells: list[str], methods: list[str], title
         for m in methods
     }
     common.bars(ax, [c.replace("/", "\n") for c in cells], series, COLOURS)
+    ax.tick_params(axis="x", labelsize=10)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=6)
+    ax.set_ylabel("T2A R@1, SVR minus InfoNCE (points)")
+    ax.legend(fontsize=9)
 
 
-def trajectories(ax: Any, runs: Runs, cell: str, key: str, methods: list[str], title: str) -> None:
+def trajectories(ax: Any, runs: Runs, cell: str, key: str, methods: list[str]) -> None:
     for m in methods:
         s = common.curves(runs[cell][m], key)
         common.band(ax, s["mean"], s["std"], label=m, color=COLOURS[m])
         if key == "radius":
             d = common.curves(runs[cell][m], "distance")["mean"]
             ax.plot(range(1, len(d) + 1), d, ":", color=COLOURS[m])
-    ax.set_title(title, fontsize=9)
     ax.set_xlabel("fine-tuning epoch")
+    ax.legend(fontsize=9)
     ax.grid(alpha=0.3)
 
 
-def plot(runs: Runs, path: Any) -> None:
-    fig, axes = plt.subplots(2, 3, figsize=(18, 8.5), dpi=80)
-    main_cells = [c for c in runs if c.count("/") == 1]
-    main = [m for m in MAIN if m != "infonce"]
-    paired_bars(axes[0][0], runs, main_cells, main, "test T2A R@1, SVR minus InfoNCE (points)")
-    ref = "symmetric/b24"
-    variants = [m for m in runs[ref] if m in COLOURS]
-    paired_bars(axes[0][1], runs, [ref], variants, f"{ref}: every variant (points)")
-    radius_methods = [m for m in variants if "alpha" not in m]
-    trajectories(
-        axes[0][2], runs, ref, "radius", radius_methods, f"{ref}: radius R (dotted: ‖a−t‖)"
-    )
-    trajectories(axes[1][0], runs, ref, "svr_radius_slope", radius_methods, "svr_radius_slope")
-    axes[1][0].set_yscale("symlog", linthresh=1e-3)
-    axes[1][0].axhline(0, color="k", lw=0.8)
-    ax = axes[1][1]
+REF = "symmetric/b24"
+
+
+def _variants(runs: Runs) -> list[str]:
+    return [m for m in runs[REF] if m in COLOURS]
+
+
+def _radius_methods(runs: Runs) -> list[str]:
+    return [m for m in _variants(runs) if "alpha" not in m]
+
+
+def panel_regimes(ax: Any, runs: Runs) -> str:
+    cells = [c for c in runs if c.count("/") == 1]
+    paired_bars(ax, runs, cells, [m for m in MAIN if m != "infonce"])
+    return "Test T2A R@1, SVR minus InfoNCE, per tower regime and batch"
+
+
+def panel_variants(ax: Any, runs: Runs) -> str:
+    paired_bars(ax, runs, [REF], _variants(runs))
+    return f"{REF}: every variant, SVR minus InfoNCE"
+
+
+def panel_radius(ax: Any, runs: Runs) -> str:
+    trajectories(ax, runs, REF, "radius", _radius_methods(runs))
+    ax.set_ylabel("radius R (dotted: ‖a⁺ − t‖)")
+    return f"{REF}: the radius over fine-tuning"
+
+
+def panel_slope(ax: Any, runs: Runs) -> str:
+    trajectories(ax, runs, REF, "svr_radius_slope", _radius_methods(runs))
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_ylabel("svr_radius_slope")
+    return f"{REF}: svr_radius_slope (< 0: the SVR pushes R up)"
+
+
+def panel_hard_negatives(ax: Any, runs: Runs) -> str:
     for cell, m, probes in probe_rows(runs):
         if m == "bi_dynamic":
             mean = [common.mean_std([p[i] for p in probes])[0] for i in range(len(PROBE_K))]
             ax.plot(PROBE_K, mean, "o-", label=cell, lw=1)
     ax.set_xlabel(f"hard negatives K in a batch of {PROBE_BATCH}")
-    ax.set_title("Fig. 7 probe: bi_dynamic predicted R", fontsize=9)
-    ax.legend(fontsize=6)
+    ax.set_ylabel("predicted radius R")
+    ax.legend(fontsize=9)
     ax.grid(alpha=0.3)
-    ax = axes[1][2]
-    for cell in (ref, *(c for _, m, c, _ in noise_comparisons(runs) if m == "bi_dynamic")):
+    return "SupCLAP Fig. 7 probe: bi_dynamic's radius against hard negatives"
+
+
+def panel_conditions(ax: Any, runs: Runs) -> str:
+    for cell in (REF, *(c for _, m, c, _ in noise_comparisons(runs) if m == "bi_dynamic")):
         s = common.curves(runs[cell]["bi_dynamic"], "radius")
         common.band(ax, s["mean"], s["std"], label=cell)
-    ax.set_title("Fig. 6: bi_dynamic radius by condition", fontsize=9)
     ax.set_xlabel("fine-tuning epoch")
-    ax.legend(fontsize=6)
+    ax.set_ylabel("radius R")
+    ax.legend(fontsize=9)
     ax.grid(alpha=0.3)
-    common.save_figure(fig, path)
+    return "SupCLAP Fig. 6: bi_dynamic's radius by condition"
+
+
+#: One figure each, ``svr_regimes_<name>.png``, readable at the docs' column width.
+PANELS = {
+    "regimes": panel_regimes,
+    "variants": panel_variants,
+    "radius": panel_radius,
+    "slope": panel_slope,
+    "hard_negatives": panel_hard_negatives,
+    "conditions": panel_conditions,
+}
+
+
+def plot(runs: Runs, out_dir: Path) -> list[Path]:
+    paths = []
+    with plt.rc_context({"font.size": 11, "axes.titlesize": 12}):
+        for name, panel in PANELS.items():
+            fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
+            ax.set_title(panel(ax, runs))
+            paths.append(common.save_figure(fig, out_dir / f"svr_regimes_{name}.png"))
+    return paths
 
 
 # ----------------------------------------------------------------------------- main
@@ -857,7 +904,7 @@ def main() -> None:
     if INTERPRETATION and not args.quick:
         md += "\n" + INTERPRETATION
     print(md)
-    plot(runs, args.out_dir / "svr_regimes.png")
+    plot(runs, args.out_dir)
     setup = {
         "epochs": args.epochs,
         "seeds": args.seeds,

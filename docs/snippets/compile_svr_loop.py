@@ -13,9 +13,15 @@ def main(steps: int = 20, backend="inductor") -> list[float]:
     captions = clips[:, :30] + 0.5 * torch.randn(64, 30)
 
     audio_encoder, text_encoder = nn.Linear(40, 32), nn.Linear(30, 32)
-    loss_fn = SupportVectorRegularizer(InfoNCELoss(learnable_temperature=True), radius="dynamic")
-    compiled = torch.compile(loss_fn, fullgraph=True, backend=backend)  # or the whole step
-    params = [*audio_encoder.parameters(), *text_encoder.parameters(), *loss_fn.parameters()]
+    base = InfoNCELoss(learnable_temperature=True)
+    loss_fn = SupportVectorRegularizer(base, radius="dynamic")
+    # or compile the whole step
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=backend)
+    params = [
+        *audio_encoder.parameters(),
+        *text_encoder.parameters(),
+        *loss_fn.parameters(),  # the temperature and the radius predictor
+    ]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
 
     losses = []

@@ -2,8 +2,8 @@
 
 import tempfile
 
-from hf_tiny_clap import tiny_batch, tiny_clap  # a tiny random ClapModel, offline
-from transformers import Trainer, TrainingArguments
+import torch
+from transformers import ClapConfig, ClapModel, Trainer, TrainingArguments
 
 from contrastive_losses import InfoNCELoss
 
@@ -20,13 +20,35 @@ class ContrastiveTrainer(Trainer):
         return (loss, out) if return_outputs else loss
 
 
-model = tiny_clap()
+# The tiny random ClapModel of the recipe above, so this runs offline; for real work:
+# ClapModel.from_pretrained("laion/clap-htsat-unfused") and its ClapProcessor.
+config = ClapConfig(
+    text_config=dict(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ),
+    audio_config=dict(
+        spec_size=64, window_size=4, num_mel_bins=16, patch_size=2, patch_stride=2,
+        hidden_size=32, patch_embeds_hidden_size=16, depths=[2, 2],
+        num_attention_heads=[2, 2], num_hidden_layers=2, hidden_dropout_prob=0.0,
+    ),
+    projection_dim=16,
+)  # fmt: skip
+torch.manual_seed(0)
+model = ClapModel(config)
 # A submodule: the loss's parameters (SVR's radius, if you wrap it) train and save with
 # the model, and DDP averages their gradients.
 model.contrastive_loss = InfoNCELoss()
 model.logit_scale_t.requires_grad_(False)  # one scale trained, as LAION-CLAP does
-batch = tiny_batch(clips=32)  # stands in for a dataset of processor outputs
-dataset = [{key: value[i] for key, value in batch.items()} for i in range(32)]
+g = torch.Generator().manual_seed(0)  # 32 synthetic ClapProcessor outputs
+features = torch.randn(32, 1, 60, 16, generator=g)
+tokens = torch.randint(3, 99, (32, 7), generator=g)
+mask = torch.ones(7, dtype=torch.long)
+dataset = [
+    {"input_features": f, "input_ids": t, "attention_mask": mask}
+    for f, t in zip(features, tokens, strict=True)
+]
 args = TrainingArguments(
     output_dir=tempfile.mkdtemp(),
     per_device_train_batch_size=16,

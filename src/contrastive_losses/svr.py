@@ -817,9 +817,12 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
         validate = _checks.resolve_validate(self.validate_args)
         temperature = self._detached_temperature(logit_scale)
-        svr, constraint, radius_terms, over = self._regularise(
-            pairs, temperature, return_terms, validate
-        )
+        # in float32 as documented, also under torch.autocast (open_clip's trainer calls
+        # its loss inside one), which would run the SVR's matmuls and predictor in float16
+        with torch.autocast(base_loss.device.type, enabled=False):
+            svr, constraint, radius_terms, over = self._regularise(
+                pairs, temperature, return_terms, validate
+            )
         loss = base_loss + (self.alpha * svr).to(base_loss.dtype)
         if self.constraint:
             loss = loss + (self.beta * constraint).to(base_loss.dtype)

@@ -1,9 +1,14 @@
 r"""open_clip's ``ClipLoss`` and ``SigLipLoss``, backed by this library's losses.
 
-Swap the import and keep the rest of an open_clip training script::
+Swap the import and keep the rest of a training script that builds open_clip's loss
+itself::
 
     # from open_clip.loss import ClipLoss, SigLipLoss
     from contrastive_losses.integrations.open_clip import ClipLoss, SigLipLoss
+
+open_clip's own trainer (``open_clip_train.main``) builds its loss through
+``open_clip.factory``: there, :func:`contrastive_losses.integrations.open_clip_train.install`
+does it.
 
 The classes take open_clip's constructor arguments and ``forward(image_features,
 text_features, logit_scale[, logit_bias], output_dict=False)`` and return what open_clip's

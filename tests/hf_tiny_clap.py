@@ -1,5 +1,5 @@
 """A tiny randomly initialised Hugging Face ``ClapModel`` and a synthetic batch, so the
-docs' recipes run offline in seconds. For real work:
+tests run offline in seconds (the docs' recipes build the same model inline). For real work:
 ``ClapModel.from_pretrained("laion/clap-htsat-unfused")`` and its ``ClapProcessor``."""
 
 import torch

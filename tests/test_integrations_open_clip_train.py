@@ -1,0 +1,339 @@
+"""``install()`` wires open_clip's own trainer to the drop-ins.
+
+open_clip's package ``__init__`` and ``open_clip_train`` need torchvision, which the
+project's environment lacks (tests/open_clip_reference.py), so the mechanism runs here
+against stand-ins for ``open_clip``, ``open_clip.factory`` and ``open_clip_train.main``
+that reproduce what open_clip 3.3's trainer does with its loss: ``create_loss(args)`` looks
+``ClipLoss`` / ``SigLipLoss`` up in ``open_clip.factory``; ``main`` imports
+``create_model_and_transforms`` and ``create_loss`` from ``open_clip``, builds the model,
+then the optimizer from ``model.named_parameters()``, then the loss, and its train loop
+calls ``loss(**model_out, output_dict=True)``, sums the entries and logs each one. The
+reference losses are open_clip's own ``loss.py``. Where ``open_clip_train`` imports, the
+last test runs the real ``open_clip_train.main``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import runpy
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from open_clip_reference import load_open_clip_loss
+from torch import nn
+
+from contrastive_losses import SupportVectorRegularizer
+from contrastive_losses.integrations import open_clip as drop_ins
+from contrastive_losses.integrations import open_clip_train as oct
+
+B, VOCAB, LENGTH, DIM = 8, 50, 6, 16
+
+
+class TinyClip(nn.Module):
+    """open_clip's CLIP interface: ``forward(image, text)`` -> a dict of normalised
+    features and the exp'd scale (and the bias for SigLIP)."""
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.visual = nn.Linear(12, DIM)
+        self.token_embedding = nn.Embedding(VOCAB, DIM)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.logit_bias = nn.Parameter(torch.tensor(-10.0)) if bias else None
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {
+            "image_features": F.normalize(self.visual(image), dim=-1),
+            "text_features": F.normalize(self.token_embedding(text).mean(1), dim=-1),
+            "logit_scale": self.logit_scale.exp(),
+        }
+        if self.logit_bias is not None:
+            out["logit_bias"] = self.logit_bias
+        return out
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(B, 12, generator=g), torch.randint(0, VOCAB, (B, LENGTH), generator=g))
+            for _ in range(steps)]  # fmt: skip
+
+
+@pytest.fixture
+def fake_open_clip(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """``open_clip``, ``open_clip.factory`` and ``open_clip_train.main`` stand-ins on
+    open_clip's real loss classes (skips, naming the install, without open_clip)."""
+    reference = load_open_clip_loss()
+    factory = types.ModuleType("open_clip.factory")
+    for name in ("ClipLoss", "SigLipLoss", "DistillClipLoss", "CoCaLoss"):
+        setattr(factory, name, getattr(reference, name))
+
+    def create_loss(args: Any) -> nn.Module:  # open_clip 3.3's, abridged
+        if args.distill:
+            return factory.DistillClipLoss(rank=args.rank, world_size=args.world_size)
+        if args.siglip:
+            return factory.SigLipLoss(rank=args.rank, world_size=args.world_size, dist_impl=None)
+        return factory.ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=True,
+                                rank=0, world_size=1, use_horovod=False)  # fmt: skip
+
+    def create_model_and_transforms(name: str, **kwargs: Any) -> tuple[nn.Module, None, None]:
+        torch.manual_seed(0)
+        return TinyClip(bias=kwargs.get("init_logit_bias") is not None), None, None
+
+    factory.create_loss = create_loss  # type: ignore[attr-defined]
+    factory.create_model_and_transforms = create_model_and_transforms  # type: ignore[attr-defined]
+    package = types.ModuleType("open_clip")
+    package.create_loss = create_loss  # type: ignore[attr-defined]
+    package.create_model_and_transforms = create_model_and_transforms  # type: ignore[attr-defined]
+    package.factory = factory  # type: ignore[attr-defined]
+    trainer = types.ModuleType("open_clip_train.main")
+    trainer_package = types.ModuleType("open_clip_train")
+    trainer_package.main = trainer  # type: ignore[attr-defined]
+    for name, module in {"open_clip": package, "open_clip.factory": factory,
+                         "open_clip_train": trainer_package,
+                         "open_clip_train.main": trainer}.items():  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+    trainer.runs = []  # type: ignore[attr-defined]
+    trainer.main = lambda argv: trainer.runs.append(argv)  # type: ignore[attr-defined]
+    yield types.SimpleNamespace(package=package, factory=factory, trainer=trainer)
+    for active in list(oct._active):
+        active.uninstall()
+
+
+def _import_main(package: types.ModuleType) -> dict[str, Any]:
+    """``from open_clip import create_model_and_transforms, create_loss``, as main.py does."""
+    return {n: getattr(package, n) for n in ("create_model_and_transforms", "create_loss")}
+
+
+def _train(names: dict[str, Any], steps: int = 6, siglip: bool = False) -> dict[str, Any]:
+    """open_clip_train.main's order and train loop (accum_freq=1, the clamp); SGD, which
+    shows a gradient change that AdamW's first step (+-lr) may hide."""
+    model_kwargs = {"init_logit_bias": -10} if siglip else {}
+    model, _, _ = names["create_model_and_transforms"]("tiny", output_dict=True, **model_kwargs)
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    args = types.SimpleNamespace(distill=False, siglip=siglip, rank=0, world_size=1)
+    loss = names["create_loss"](args)
+    logged, totals = [], []
+    for images, texts in _batches(steps):
+        optimizer.zero_grad()
+        model_out = model(images, texts)
+        losses = loss(**model_out, output_dict=True)
+        total = sum(losses.values())
+        total.backward()
+        optimizer.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        logged.append({k: v.item() for k, v in losses.items()})
+        totals.append(total.item())
+    return {"model": model, "optimizer": optimizer, "loss": loss, "logged": logged,
+            "totals": totals}  # fmt: skip
+
+
+@pytest.mark.parametrize("siglip", [False, True])
+def test_installed_trainer_equals_open_clip_step_for_step(fake_open_clip, siglip):
+    reference = _train(_import_main(fake_open_clip.package), siglip=siglip)
+    with oct.install():
+        ours = _train(_import_main(fake_open_clip.package), siglip=siglip)
+    expected = drop_ins.SigLipLoss if siglip else drop_ins.ClipLoss
+    assert isinstance(ours["loss"], expected)
+    assert not isinstance(reference["loss"], drop_ins._OpenClipSettings)
+    torch.testing.assert_close(ours["totals"], reference["totals"], rtol=1e-6, atol=1e-6)
+    for a, b in zip(ours["model"].parameters(), reference["model"].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("radius", ["dynamic", "static"])
+def test_learned_radius_reaches_the_optimizer_and_trains(fake_open_clip, radius):
+    installed = oct.install(svr={"radius": radius})
+    run = _train(_import_main(fake_open_clip.package), steps=8)
+    model, optimizer, loss = run["model"], run["optimizer"], run["loss"]
+    holder = getattr(model, oct.SUBMODULE)
+    assert holder is installed.radius and installed.models == [model]
+    regulariser = loss.loss.regulariser
+    assert isinstance(regulariser, SupportVectorRegularizer)
+    shared = regulariser.predictor if radius == "dynamic" else regulariser.radius
+    assert shared is (holder.predictor if radius == "dynamic" else holder.radius)
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    radius_params = list(holder.parameters())
+    assert radius_params and all(id(p) in in_optimizer for p in radius_params)
+    fresh = oct._radius_holder({"radius": radius})
+    moved = [not torch.equal(a, b) for a, b in zip(radius_params, fresh.parameters(), strict=True)]
+    assert any(moved), "the radius never trained"
+    assert any(name.startswith(oct.SUBMODULE) for name in model.state_dict())
+
+
+def test_svr_terms_are_logged_and_sum_to_the_regularised_loss(fake_open_clip):
+    oct.install(svr={"radius": "dynamic", "alpha": 0.5, "beta": 0.1})
+    run = _train(_import_main(fake_open_clip.package), steps=1)
+    (entry,) = run["logged"]
+    assert set(entry) == {"contrastive_loss", "svr_loss", "svr_constraint_loss"}
+    # the same first step by hand: the regulariser on the tiny model's first batch
+    model, _, _ = fake_open_clip.factory.create_model_and_transforms("tiny")
+    regulariser = SupportVectorRegularizer(
+        drop_ins.InfoNCELoss(normalize=False), radius="dynamic", alpha=0.5, beta=0.1
+    )
+    images, texts = _batches(1)[0]
+    out = model(images, texts)
+    loss, terms = regulariser(out["image_features"], out["text_features"],
+                              logit_scale=out["logit_scale"], return_terms=True)  # fmt: skip
+    assert entry["contrastive_loss"] == pytest.approx(terms["base"].item(), abs=1e-6)
+    assert entry["svr_loss"] == pytest.approx(0.5 * terms["svr"].item(), abs=1e-6)
+    assert entry["svr_constraint_loss"] == pytest.approx(0.1 * terms["constraint"].item(), abs=1e-6)
+    assert run["totals"][0] == pytest.approx(loss.item(), abs=1e-6)
+
+
+def test_fixed_radius_logs_the_svr_term_and_adds_no_parameters(fake_open_clip):
+    installed = oct.install(svr={"radius": 0.05})
+    run = _train(_import_main(fake_open_clip.package), steps=1)
+    assert installed.radius is None and not hasattr(run["model"], oct.SUBMODULE)
+    assert set(run["logged"][0]) == {"contrastive_loss", "svr_loss"}
+
+
+def _one_step(factory: types.ModuleType, ids: torch.Tensor | None) -> list[torch.Tensor]:
+    """The tiny model after one SGD step on the drop-in, by hand."""
+    model, _, _ = factory.create_model_and_transforms("tiny")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    images, texts = _batches(1)[0]
+    drop_ins.ClipLoss()(**model(images, texts), ids=ids).backward()
+    optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_ids_reach_the_loss(fake_open_clip):
+    """Rows 0 and 1 are two captions of one sample: with ``ids`` the step is the drop-in's
+    with those ids, which differs from the one without."""
+    ids = torch.tensor([0, 0, *range(1, B - 1)])
+    seen = []
+
+    def sample_ids(images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        seen.append((images.shape, texts.shape))
+        return ids
+
+    oct.install(ids=sample_ids, chunk_size=3)
+    run = _train(_import_main(fake_open_clip.package), steps=1)
+    assert seen == [((B, 12), (B, LENGTH))]
+    assert run["loss"].loss.chunk_size == 3
+    with_ids = _one_step(fake_open_clip.factory, ids)
+    without = _one_step(fake_open_clip.factory, None)
+    ours = list(run["model"].parameters())
+    for a, b in zip(ours, with_ids, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(ours, without, strict=True))
+
+
+def test_install_after_the_trainer_imported_and_uninstall(fake_open_clip):
+    names = vars(fake_open_clip.trainer)
+    names.update(_import_main(fake_open_clip.package))  # main.py imported before install
+    originals = {n: names[n] for n in ("create_model_and_transforms", "create_loss")}
+    factory_clip = fake_open_clip.factory.ClipLoss
+    installed = oct.install(svr={"radius": "dynamic"})
+    assert names["create_model_and_transforms"] is not originals["create_model_and_transforms"]
+    run = _train(names, steps=1)
+    assert hasattr(run["model"], oct.SUBMODULE)
+    with pytest.raises(ValueError, match="already installed"):
+        oct.install()
+    installed.uninstall()
+    assert names["create_model_and_transforms"] is originals["create_model_and_transforms"]
+    assert fake_open_clip.factory.ClipLoss is factory_clip
+
+
+def test_distillation_and_coca_refuse(fake_open_clip):
+    oct.install()
+    args = types.SimpleNamespace(distill=True, siglip=False, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"DistillClipLoss: .* no drop-in"):
+        fake_open_clip.factory.create_loss(args)
+    with pytest.raises(ValueError, match="CoCaLoss"):
+        fake_open_clip.factory.CoCaLoss()
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="ids: expected"):
+        oct.install(ids="captions")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="svr: expected"):
+        oct.install(svr="dynamic")  # type: ignore[arg-type]
+
+
+def test_command_line_installs_then_runs_open_clips_main(fake_open_clip):
+    oct.main(["--cl-svr", '{"radius": "static"}', "--cl-chunk-size", "64", "--model", "RN50"])
+    assert fake_open_clip.trainer.runs == [["--model", "RN50"]]
+    (installed,) = oct._active
+    assert installed.options == {
+        "chunk_size": 64,
+        "svr": {"radius": "static"},
+        "validate_args": None,
+    }
+
+
+def test_missing_open_clip_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "open_clip", None)  # import open_clip -> ImportError
+    monkeypatch.setitem(sys.modules, "open_clip.factory", None)
+    with pytest.raises(ImportError, match=r"open_clip_torch\[training\]"):
+        oct.install()
+
+
+def test_importing_the_module_imports_no_open_clip():
+    code = (
+        "import sys, contrastive_losses.integrations.open_clip_train\n"
+        "print([m for m in sys.modules if m.split('.')[0] in ('open_clip', 'open_clip_train')])"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def _real_trainer_importable() -> bool:
+    try:
+        return importlib.util.find_spec("open_clip_train") is not None and bool(
+            __import__("open_clip_train.main")
+        )
+    except Exception:  # torchvision missing, or its CUDA build beside a CPU torch
+        return False
+
+
+@pytest.mark.skipif(
+    not _real_trainer_importable(),
+    reason="open_clip_train does not import here (it needs torchvision): "
+    "pip install 'open_clip_torch[training]' in a venv with a matching torchvision",
+)
+def test_real_open_clip_trainer_trains_the_dynamic_radius(tmp_path, monkeypatch):
+    """The docs' by-hand check (docs/snippets/open_clip_trainer_check.py), one epoch:
+    open_clip_train.main with ``install(svr={"radius": "dynamic"})`` on 128 real PNGs."""
+    check = runpy.run_path(str(Path(__file__).resolve().parents[1] / "docs" / "snippets"
+                               / "open_clip_trainer_check.py"))  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    check["make_data"]()
+    flags = ["--train-data", "train.csv", "--csv-img-key", "filepath",
+             "--csv-caption-key", "title", "--csv-separator", "\t",
+             "--train-num-samples", "128", "--model", "cl-tiny", "--batch-size", "16",
+             "--epochs", "1", "--lr", "1e-3", "--precision", "fp32", "--workers", "0",
+             "--device", "cpu", "--log-every-n-steps", "1", "--logs", "logs",
+             "--name", "svr"]  # fmt: skip
+    try:
+        check["run"]("svr", flags)
+    finally:
+        for active in list(oct._active):
+            active.uninstall()
+    result = json.loads((tmp_path / "svr.json").read_text())
+    assert len(result["losses"]) == 8
+    assert all(set(step) == {"contrastive_loss", "svr_loss", "svr_constraint_loss"}
+               for step in result["losses"])  # fmt: skip
+    assert len(result["radius_parameters"]) == 6  # the predictor's, on the model
+    assert all(change > 0 for change in result["radius_change"].values()), result
+    saved = torch.load(tmp_path / "logs" / "svr" / "checkpoints" / "epoch_1.pt")
+    assert set(result["radius_parameters"]) <= set(saved["state_dict"])
+    log = (tmp_path / "logs" / "svr" / "out.log").read_text()
+    assert log.count("Svr_loss") == 8 and "Svr_constraint_loss" in log
