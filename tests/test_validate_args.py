@@ -435,12 +435,14 @@ def _sweep_cases() -> dict[str, tuple[Callable[[bool], Any], str]]:
 
             cases[f"{base}_{path}"] = (plain, form)
             cases[f"svr_{base}_{path}"] = (svr, form)
-        cases[f"support_vector_term_{path}"] = (
-            lambda v, chunk=_CHUNKS[path]: lambda a, t: CF.support_vector_term(
+    for path, chunk in _CHUNKS.items():
+
+        def term(v: bool, chunk=chunk) -> Any:
+            return lambda a, t: CF.support_vector_term(
                 t, a, 0.2, 0.1, chunk_size=chunk, validate_args=v
-            ),
-            "pair",
-        )
+            )
+
+        cases[f"support_vector_term_{path}"] = (term, "pair")
     cases["ask"] = (lambda v: lambda a, t, k: CF.ask(a, t, *k, validate_args=v), "knowledge")
     return cases
 
