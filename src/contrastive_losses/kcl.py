@@ -39,7 +39,7 @@ from ._kernels import (
     _TiledCrossEntropy,
     l2_normalize,
 )
-from .distributed import resolve_gather, validate_together
+from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["KCLLoss", "kcl"]
 
@@ -400,6 +400,7 @@ class KCLLoss(_TemperatureMixin):
     def _extra_settings(self) -> list[str]:
         return [f"negatives={self.negatives!r}"]
 
+    @counted_call
     def forward(
         self,
         audio: Tensor,
