@@ -61,6 +61,18 @@ def _svr(base: torch.nn.Module, **kwargs) -> SupportVectorRegularizer:
     return SupportVectorRegularizer(base, **kwargs).double()
 
 
+def _svr_case(setting: str, printed: tuple[str, str], **kwargs) -> tuple:
+    """A CASES entry: SupportVectorRegularizer(InfoNCELoss) whose one argument given as a
+    pair (rank 0's, rank 1's) differs; the other ``kwargs`` are the same on both."""
+    (name, values), *_ = ((k, v) for k, v in kwargs.items() if isinstance(v, tuple))
+    same = {k: v for k, v in kwargs.items() if k != name}
+
+    def loss(r, a, t, m):
+        return _svr(InfoNCELoss(0.1, gather=True), **{name: values[r]}, **same)(a, t[:, 0])
+
+    return setting, printed, loss
+
+
 # case -> (setting named in the message, its printed value on rank 0 and on rank 1,
 #          loss(rank, audio (b, D), text (b, K, D), mask (b, K)) with that rank's value)
 CASES = {
@@ -216,35 +228,13 @@ CASES = {
         lambda r, a, t, m: _ask((2, 3)[r])(a, t[:, 0], torch.arange(100, 100 + len(a))),
     ),
     # Issue 29: what the fingerprint missed (an abort, or a silently different loss).
-    "svr fixed radius": (
-        "radius value",
-        ("0.2", "0.3"),
-        lambda r, a, t, m: _svr(InfoNCELoss(0.1, gather=True), radius=(0.2, 0.3)[r])(a, t[:, 0]),
+    "svr fixed radius": _svr_case("radius value", ("0.2", "0.3"), radius=(0.2, 0.3)),
+    "svr static radius_init": _svr_case(
+        "radius value", ("0.1", "0.2"), radius_init=(0.1, 0.2), radius="static"
     ),
-    "svr static radius_init": (
-        "radius value",
-        ("0.1", "0.2"),
-        lambda r, a, t, m: _svr(
-            InfoNCELoss(0.1, gather=True), radius="static", radius_init=(0.1, 0.2)[r]
-        )(a, t[:, 0]),
-    ),
-    "svr dynamic radius_init": (
-        "radius_init",
-        ("0.1", "0.2"),
-        lambda r, a, t, m: _svr(InfoNCELoss(0.1, gather=True), radius_init=(0.1, 0.2)[r])(
-            a, t[:, 0]
-        ),
-    ),
-    "svr predictor num_features": (
-        "num_features",
-        ("2", "3"),
-        lambda r, a, t, m: _svr(KCLLoss(0.1, gather=True), num_features=(2, 3)[r])(a, t, m),
-    ),
-    "svr predictor hidden": (
-        "hidden",
-        ("8", "16"),
-        lambda r, a, t, m: _svr(InfoNCELoss(0.1, gather=True), hidden=(8, 16)[r])(a, t[:, 0]),
-    ),
+    "svr dynamic radius_init": _svr_case("radius_init", ("0.1", "0.2"), radius_init=(0.1, 0.2)),
+    "svr predictor num_features": _svr_case("num_features", ("2", "3"), num_features=(2, 3)),
+    "svr predictor hidden": _svr_case("hidden", ("8", "16"), hidden=(8, 16)),
     "cacl english_index": (
         "english_index",
         ("0", "1"),
