@@ -37,9 +37,40 @@ def _ask(k: int) -> ASKLoss:
     return ASKLoss(kb, k=k, k_coarse=1, gather=True)
 
 
+def _ask_prototypes(n: int) -> ASKLoss:
+    """A bank of ``n`` prototypes and ``k_coarse=5``: the effective k_coarse is min(5, n)."""
+    g = torch.Generator().manual_seed(3)
+    kb = KnowledgeBank(4, backend="torch", num_prototypes=n, dtype=torch.float64)
+    audio, text = torch.randn(12, 4, generator=g), torch.randn(12, 4, generator=g)
+    kb.build(audio.double(), text.double(), torch.arange(12), gather=False)
+    return ASKLoss(kb, k=2, k_coarse=5, gather=True)
+
+
+def _extra_call(r: int, a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Rank 0 calls a loss once more than rank 1 before both call a second loss of the
+    same settings: rank 0's extra call meets rank 1's call of the other loss."""
+    first, second = InfoNCELoss(0.1, gather=True), InfoNCELoss(0.1, gather=True)
+    first(a, t)
+    if r == 0:
+        first(a, t)
+    return second(a, t)
+
+
 def _svr(base: torch.nn.Module, **kwargs) -> SupportVectorRegularizer:
     torch.manual_seed(0)  # the same predictor on every rank
     return SupportVectorRegularizer(base, **kwargs).double()
+
+
+def _svr_case(setting: str, printed: tuple[str, str], **kwargs) -> tuple:
+    """A CASES entry: SupportVectorRegularizer(InfoNCELoss) whose one argument given as a
+    pair (rank 0's, rank 1's) differs; the other ``kwargs`` are the same on both."""
+    (name, values), *_ = ((k, v) for k, v in kwargs.items() if isinstance(v, tuple))
+    same = {k: v for k, v in kwargs.items() if k != name}
+
+    def loss(r, a, t, m):
+        return _svr(InfoNCELoss(0.1, gather=True), **{name: values[r]}, **same)(a, t[:, 0])
+
+    return setting, printed, loss
 
 
 # case -> (setting named in the message, its printed value on rank 0 and on rank 1,
@@ -196,6 +227,76 @@ CASES = {
         ("2", "3"),
         lambda r, a, t, m: _ask((2, 3)[r])(a, t[:, 0], torch.arange(100, 100 + len(a))),
     ),
+    # Issue 29: what the fingerprint missed (an abort, or a silently different loss).
+    "svr fixed radius": _svr_case("radius value", ("0.2", "0.3"), radius=(0.2, 0.3)),
+    "svr static radius_init": _svr_case(
+        "radius value", ("0.1", "0.2"), radius_init=(0.1, 0.2), radius="static"
+    ),
+    "svr dynamic radius_init": _svr_case("radius_init", ("0.1", "0.2"), radius_init=(0.1, 0.2)),
+    "svr predictor num_features": _svr_case("num_features", ("2", "3"), num_features=(2, 3)),
+    "svr predictor hidden": _svr_case("hidden", ("8", "16"), hidden=(8, 16)),
+    "cacl english_index": (
+        "english_index",
+        ("0", "1"),
+        lambda r, a, t, m: CACLLoss(0.1, english_index=(0, 1)[r], gather=True)(a, t),
+    ),
+    "ask effective k_coarse": (
+        "k_coarse_effective",
+        ("3", "5"),
+        lambda r, a, t, m: _ask_prototypes((3, 5)[r])(a, t[:, 0], torch.arange(100, 100 + len(a))),
+    ),
+    "ask logit_scale dtype": (
+        "logit_scale dtype",
+        ("torch.float16", "torch.float32"),
+        lambda r, a, t, m: _ask_prototypes(3)(
+            a,
+            t[:, 0],
+            torch.arange(100, 100 + len(a)),
+            logit_scale=torch.tensor(16.0, dtype=(torch.float16, torch.float32)[r]),
+        ),
+    ),
+    "logit_scale dtype": (
+        "logit_scale dtype",
+        ("torch.float16", "torch.float32"),
+        lambda r, a, t, m: InfoNCELoss(gather=True)(
+            a.float(),
+            t[:, 0].float(),
+            logit_scale=torch.tensor(16.0, dtype=(torch.float16, torch.float32)[r]),
+        ),
+    ),
+    "temperature dtype": (
+        "temperature dtype",
+        ("torch.float64", "torch.float32"),
+        lambda r, a, t, m: CF.kcl(
+            a, t, torch.tensor(0.1, dtype=(torch.float64, torch.float32)[r]), gather=True
+        ),
+    ),
+    "siglip scale dtype": (
+        "scale dtype",
+        ("torch.float16", "torch.float32"),
+        lambda r, a, t, m: CF.siglip(
+            a.float(),
+            t[:, 0].float(),
+            logit_scale=torch.tensor(16.0, dtype=(torch.float16, torch.float32)[r]),
+            logit_bias=torch.tensor(-8.0),
+            gather=True,
+        ),
+    ),
+    "extra loss call": (
+        "call of InfoNCELoss",
+        ("2", "1"),
+        lambda r, a, t, m: _extra_call(r, a, t[:, 0]),
+    ),
+}
+# The dtype of a gathered tensor (issue 29: ids int32 on one rank and int64 on the other
+# aborted one rank after the other returned a loss built from garbage ids).
+TENSOR_CASES = {
+    "info_nce ids dtype": lambda r, a, t, m: CF.info_nce(
+        a, t[:, 0], ids=torch.arange(len(a), dtype=(torch.int32, torch.int64)[r]), gather=True
+    ),
+    "siglip ids dtype": lambda r, a, t, m: SigLIPLoss(gather=True, chunk_size=2).double()(
+        a, t[:, 0], torch.arange(len(a), dtype=(torch.int32, torch.int64)[r])
+    ),
 }
 # validate_args on against off, per loss: run after every other case (see the docstring).
 MIXED = {
@@ -223,6 +324,11 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     try:
         for case, (_, _, fn) in CASES.items():
             results[case] = _outcome(fn, rank, a, t, m)
+        for case, fn in TENSOR_CASES.items():
+            results[case] = _outcome(fn, rank, a, t, m)
+        # Both ranks call one Module twice: the counts agree.
+        loss = InfoNCELoss(0.1, gather=True)
+        results["same calls"] = _outcome(lambda: (loss(a, t[:, 0]), loss(a, t[:, 0]))[1])
         results["scale vs temperature"] = _outcome(
             lambda r, a, t, m: CF.info_nce(
                 a,
@@ -261,6 +367,21 @@ def test_ranks_that_disagree_on_a_setting_raise_the_same_error_naming_it(results
     message = outcomes[0][2]
     assert message.startswith(f"{setting}: differs across ranks ("), message
     assert f"{v0} on rank 0, {v1} on rank 1" in message, message
+
+
+@pytest.mark.parametrize("case", list(TENSOR_CASES))
+def test_ranks_that_gather_ids_of_different_dtypes_raise_the_same_error(results, case):
+    outcomes = [r[case] for r in results]
+    assert outcomes[0] == outcomes[1], outcomes  # no abort: the same error on every rank
+    assert outcomes[0][:2] == ("error", "ValueError"), outcomes[0]
+    assert outcomes[0][2].startswith(
+        "ids: dtype torch.int32 on rank 0 but torch.int64 on rank 1; every rank must pass "
+        "the same dtype"
+    ), outcomes[0]
+
+
+def test_ranks_that_call_a_module_equally_often_agree(results):
+    assert [r["same calls"][0] for r in results] == ["value", "value"], results
 
 
 def test_a_model_scale_on_one_rank_and_a_temperature_on_the_other(results):

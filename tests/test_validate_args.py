@@ -403,3 +403,112 @@ def test_gathered_without_checks_matches_single_process_and_never_syncs(rank_res
     for i, x in ((1, a), (2, t)):
         grad = torch.cat([r[name][i] for r in rank_results]) / 2
         torch.testing.assert_close(grad, x.grad, rtol=1e-6, atol=1e-12)
+
+
+# ------------------------------------------------------------------ the switch sweep
+# Checks on and off give the same loss and gradients for every loss, dense and tiled
+# (chunk_size), alone and under SVR, at ordinary inputs and at extreme finite ones that
+# normalise (issue 29: a KCL caption coordinate of 3.4e38 gave 2.677 with the checks on,
+# inf and a non-finite gradient with them off; both inputs so, 2.907 against NaN).
+
+# base -> (Module factory, the form of its inputs)
+_BASES: dict[str, tuple[Callable[..., torch.nn.Module], str]] = {
+    "info_nce": (lambda **kw: InfoNCELoss(learnable_temperature=True, **kw), "pair"),
+    "siglip": (SigLIPLoss, "pair"),
+    "kcl": (lambda **kw: KCLLoss(learnable_temperature=True, **kw), "multi"),
+    "kcl_all_languages": (lambda **kw: KCLLoss(negatives="all_languages", **kw), "multi"),
+    "cacl": (lambda **kw: CACLLoss(learnable_temperature=True, **kw), "triplet"),
+}
+_CHUNKS = {"dense": None, "tiled": 4}
+
+
+def _sweep_cases() -> dict[str, tuple[Callable[[bool], Any], str]]:
+    """name -> (build(validate_args) -> callable, input form)."""
+    cases: dict[str, tuple[Callable[[bool], Any], str]] = {}
+    for base, (make, form) in _BASES.items():
+        for path, chunk in _CHUNKS.items():
+
+            def plain(v: bool, make=make, chunk=chunk) -> Any:
+                return make(chunk_size=chunk, validate_args=v)
+
+            def svr(v: bool, make=make, chunk=chunk) -> Any:
+                torch.manual_seed(0)  # the radius predictor's weights, the same on and off
+                base_loss = make(chunk_size=chunk, validate_args=v)
+                return SupportVectorRegularizer(base_loss, validate_args=v)
+
+            cases[f"{base}_{path}"] = (plain, form)
+            cases[f"svr_{base}_{path}"] = (svr, form)
+    for path, chunk in _CHUNKS.items():
+
+        def term(v: bool, chunk=chunk) -> Any:
+            return lambda a, t: CF.support_vector_term(
+                t, a, 0.2, 0.1, chunk_size=chunk, validate_args=v
+            )
+
+        cases[f"support_vector_term_{path}"] = (term, "pair")
+    cases["ask"] = (lambda v: lambda a, t, k: CF.ask(a, t, *k, validate_args=v), "knowledge")
+    return cases
+
+
+_SWEEP = _sweep_cases()
+# The extremes per dtype: a coordinate near the dtype's max, and rows scaled near its floor.
+_EXTREMES = {torch.float32: (3.4e38, 1e-36), torch.float64: (1.7e308, 1e-300)}
+
+
+def _sweep_inputs(form: str, extreme: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(B, D, generator=g, dtype=dtype)
+    tk = torch.randn(B, K, D, generator=g, dtype=dtype)
+    huge, tiny = _EXTREMES[dtype]
+    if extreme in ("huge_text", "huge_both"):
+        tk[1, :, 3] = huge  # every language's caption of sample 1 (pair and triplet forms)
+    if extreme == "huge_both":
+        a[2, 5] = huge
+    if extreme == "tiny_rows":
+        a[0], tk[0] = a[0] * tiny, tk[0] * tiny
+    if form == "pair":
+        return [a, tk[:, 0]]
+    if form == "multi":
+        return [a, tk]
+    if form == "triplet":
+        return [a, tk[:, 0], tk[:, 1]]
+    knowledge = [
+        F.normalize(torch.randn(B, 3, 2, D, generator=g, dtype=dtype), dim=-1) for _ in range(4)
+    ]
+    return [a, tk[:, 0], knowledge]  # type: ignore[list-item]
+
+
+def _sweep_step(name: str, validate: bool, extreme: str, dtype: torch.dtype):
+    build, form = _SWEEP[name]
+    fn = build(validate)
+    inputs = _sweep_inputs(form, extreme, dtype)
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor)]
+    for x in leaves:
+        x.requires_grad_(True)
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    if module is not None:
+        module.to(dtype)
+    params = [] if module is None else [p for p in module.parameters() if p.requires_grad]
+    loss = fn(*inputs)
+    loss.backward()
+    return loss.detach(), [x.grad for x in leaves + params]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("extreme", ["ordinary", "huge_text", "huge_both", "tiny_rows"])
+@pytest.mark.parametrize("name", list(_SWEEP))
+def test_switch_sweep_checks_on_equal_checks_off(name, extreme, dtype) -> None:
+    """Forward and backward: the same finite loss and gradients with the checks on and
+    off (float64 to 1e-12; float32 to its default tolerance: KCL's fused fast path runs
+    only where the checks found moderate norms)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # SVR training warnings
+        loss_on, grads_on = _sweep_step(name, True, extreme, dtype)
+        loss_off, grads_off = _sweep_step(name, False, extreme, dtype)
+    assert torch.isfinite(loss_on), (name, extreme, float(loss_on))
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {}
+    torch.testing.assert_close(loss_off, loss_on, **tol)
+    assert len(grads_on) == len(grads_off) > 0
+    for g_on, g_off in zip(grads_on, grads_off, strict=True):
+        assert torch.isfinite(g_on).all(), (name, extreme)
+        torch.testing.assert_close(g_off, g_on, **tol)

@@ -196,14 +196,15 @@ def row_norms(
     ``1e-38`` gave an infinite gradient).
 
     Without ``validate`` nothing is read back (no host sync): the norms are returned
-    as they are and taken to be moderate.
+    as they are, not known to be moderate (False: a fused path that needs moderate
+    norms is not taken, so turning the checks off never changes a value).
     """
     check_materialised(x, name)
     norms = exact_row_norms(x)
     if not validate:
         if mask is not None and nonzero:
             norms = norms.masked_fill(norms == 0, 1)
-        return norms, True
+        return norms, False
     fi = torch.finfo(x.dtype)
     if nonzero:
         ok = (norms >= fi.tiny**0.5) & (norms <= fi.max**0.5)  # False for NaN too

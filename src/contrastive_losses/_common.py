@@ -118,11 +118,17 @@ def _resolve_temperature(
 
 
 def _scale_setting(temperature: float | Tensor, logit_scale: Tensor | None) -> dict[str, object]:
-    """The fingerprint entry of a call's scale (ranks must agree on it under gather):
-    ``logit_scale`` when the model's scale is given, else ``temperature``."""
+    """The fingerprint entries of a call's scale (ranks must agree on it under gather):
+    ``logit_scale`` when the model's scale is given, else ``temperature``, and its dtype
+    (a float16 scale on one rank and a float32 one on another give different losses)."""
     if logit_scale is None:
-        return {"temperature": temperature}
-    return {"logit_scale": logit_scale}
+        return {"temperature": temperature, "temperature dtype": _value_dtype(temperature)}
+    return {"logit_scale": logit_scale, "logit_scale dtype": logit_scale.dtype}
+
+
+def _value_dtype(value: float | Tensor) -> torch.dtype | str:
+    """A scalar setting's dtype for the fingerprint: a tensor's, or ``"float"``."""
+    return value.dtype if isinstance(value, Tensor) else "float"
 
 
 def _embeddings(

@@ -41,11 +41,12 @@ from ._checks import (
     check_same_size,
     resolve_validate,
 )
-from ._common import _resolve_temperature, _temperature
+from ._common import _resolve_temperature, _scale_setting, _temperature
 from .bank import KnowledgeBank
 from .distributed import (
     all_gather_no_grad,
     all_gather_with_grad,
+    counted_call,
     resolve_gather,
     validate_together,
 )
@@ -734,6 +735,7 @@ class ASKLoss(nn.Module):
         pairs = torch.stack([audio_table[rows], text_table[rows]], dim=2)
         return pairs.to(like.device, like.dtype)
 
+    @counted_call
     def forward(
         self,
         audio: Tensor,
@@ -788,9 +790,16 @@ class ASKLoss(nn.Module):
             ids = check_ids(ids, "ids", audio.shape[0], audio)
             knowledge: dict[str, Any] = self.retrieve(audio, text, ids)
             v.batch = audio.shape[0]
-            v.agree(audio=audio, text=text)
-            model_scale = {} if logit_scale is None else {"logit_scale": logit_scale}
-            v.settings(**{k: getattr(self, k) for k in _AGREED}, **model_scale)
+            # The knowledge is gathered too: its dtype and (k, 2, D) shapes must agree.
+            present = {key: x for key, x in knowledge.items() if x is not None}
+            v.agree(audio=audio, text=text, **present)
+            coarse = knowledge["coarse_audio"]
+            v.settings(
+                **{k: getattr(self, k) for k in _AGREED},
+                **({} if logit_scale is None else _scale_setting(1.0, logit_scale)),
+                # min(k_coarse, the bank's prototypes): banks of 3 and 5 prototypes differ
+                k_coarse_effective=0 if coarse is None else coarse.shape[1],
+            )
         b, offset = audio.shape[0], 0
         if enabled:
             # Sinkhorn couples every pair of the batch, so each rank evaluates the loss of

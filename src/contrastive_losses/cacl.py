@@ -27,7 +27,7 @@ from ._common import (
     _scale_setting,
     _TemperatureMixin,
 )
-from .distributed import resolve_gather, validate_together
+from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["CACLLoss", "cacl", "sample_languages"]
 
@@ -371,6 +371,7 @@ class CACLLoss(_TemperatureMixin):
                 )
                 _checks.check_row_norms(chosen, "text[i, other[i]]", nonzero=self.normalize)
             v.batch = b
+            v.settings(english_index=self.english_index)
         return audio, english, chosen
 
     def resolve_inputs(
@@ -389,6 +390,7 @@ class CACLLoss(_TemperatureMixin):
         """
         return self.triplet(audio, english_or_text, other, mask=mask, generator=generator), {}
 
+    @counted_call
     def forward(
         self,
         audio: Tensor,

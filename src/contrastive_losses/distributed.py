@@ -10,8 +10,11 @@ hold the same batch size.
 
 Rank agreement: before the first gather of a call, every rank shares one fixed-length
 header (:func:`validate_together`): whether its checks run, whether they failed, its batch
-size, a fingerprint of the loss's settings (temperature, reduction, ``chunk_size``, ...)
-and the dtype and trailing shape of what it will gather. Ranks whose checks run compare
+size, a fingerprint of the loss's effective settings (temperature and the scale's dtype,
+reduction, ``chunk_size``, an SVR radius, CACL's ``english_index``, ASK's effective
+``k_coarse``, ...), the number of this call among the loss Module's gathered calls, and
+the dtype and trailing shape of what it will gather (embeddings, ids, knowledge).
+Ranks whose checks run compare
 the headers and raise one clear error together; a rank with the checks off sends its
 header (zeros, made on the device) without reading anything back, so the collectives stay
 paired whatever each rank's ``validate_args`` and no host sync is added there.
@@ -23,12 +26,15 @@ concatenated batch, and its gradient equals the single-process gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import typing
+import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -63,17 +69,66 @@ def resolve_gather(gather: bool | None) -> bool:
     return gather
 
 
+# The loss Module call that is running ([owner, its number or 0 until its first
+# exchange]), set by counted_call; validate_together numbers the call at its first
+# exchange and puts the number in the fingerprint.
+_CALL: ContextVar[list[typing.Any] | None] = ContextVar("contrastive_losses_call", default=None)
+_CALLS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+_CALL_KEY = "call of "  # the fingerprint entry's name: "call of InfoNCELoss"
+_F = typing.TypeVar("_F", bound=Callable[..., typing.Any])
+
+
+def counted_call(forward: _F) -> _F:
+    """Decorate a loss Module's ``forward``: under gather, each call's exchange
+    (:func:`validate_together`) carries how many gathered calls this Module has made on
+    this rank. A rank that calls a loss more often than its peers (a second call in a
+    step, an evaluation on one rank only) then meets its peers' exchange of another
+    call, and with the checks on every rank raises a ``ValueError`` naming the Module
+    and each rank's count, instead of pairing different collectives (a gloo abort or a
+    hang). Where the extra call's exchange meets another collective of a peer (its
+    backward's gradient exchange) no count can be compared: that rank waits there until
+    the process group's timeout. Nothing is counted in one process or under
+    ``torch.compile``."""
+
+    @functools.wraps(forward)
+    def counted(self: object, *args: typing.Any, **kwargs: typing.Any) -> typing.Any:
+        if torch.compiler.is_compiling() or not is_distributed():
+            return forward(self, *args, **kwargs)
+        token = _CALL.set([self, 0])
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _CALL.reset(token)
+
+    return typing.cast(_F, counted)
+
+
+def _number_call() -> tuple[str, int] | None:
+    """The running Module call's fingerprint entry, numbering the call at its first
+    exchange (a call may exchange more than once: CACL checks its inputs, then its loss)."""
+    call = _CALL.get()
+    if call is None:
+        return None
+    owner = call[0]
+    if call[1] == 0:
+        call[1] = _CALLS[owner] = _CALLS.get(owner, 0) + 1
+    return _CALL_KEY + type(owner).__name__, call[1]
+
+
 # What validate_together exchanges about each tensor the ranks will gather: its dtype
 # and the sizes after the batch dim, in a fixed-length slot so that every rank sends
 # the same number of longs whether or not its checks passed (or registered anything).
-_MAX_AGREE = 4  # tensors per block
+_MAX_AGREE = 8  # tensors per block (ASK: audio, text and four knowledge tensors)
 _MAX_TRAILING = 4  # dims after the batch dim; (B, K, 2, D) knowledge has 3
 _SLOT = 2 + _MAX_TRAILING  # [dtype code, ndim, *dims, zero padding]
-_MAX_SETTINGS = 16  # settings per call in the fingerprint
+_MAX_SETTINGS = 24  # settings per call in the fingerprint
 _SETTING = 3  # [crc32 of the name, type tag, value code]
 # [checks on, failed, batch, *settings, *tensor slots]
 _HEADER = 3 + _SETTING * _MAX_SETTINGS + _SLOT * _MAX_AGREE
 _FLOAT_TAG = 3
+# A torch.dtype setting (the scale's): compared after the gathered tensors, as a Module
+# cast with its inputs differs in both and the inputs' dtype is the one to name.
+_DTYPE_TAG = 5
 _DTYPES = {
     zlib.crc32(str(d).encode()): d
     for d in (getattr(torch, n) for n in dir(torch))
@@ -126,6 +181,8 @@ class Validation:
             raise RuntimeError(f"validate_together: at most {_MAX_AGREE} tensors can agree")
 
     def _encoded_settings(self) -> list[int]:
+        if len(self.fingerprint) > _MAX_SETTINGS:  # a fixed length: the ranks' headers pair
+            raise RuntimeError(f"validate_together: at most {_MAX_SETTINGS} settings")
         out = [0] * (_SETTING * _MAX_SETTINGS)
         for i, (key, value) in enumerate(self.fingerprint):
             out[i * _SETTING : (i + 1) * _SETTING] = [_crc(key), *_setting_code(value)]
@@ -156,6 +213,8 @@ def _setting_code(value: object) -> tuple[int, int]:
         return 2, value
     if isinstance(value, float):
         return _FLOAT_TAG, struct.unpack("<q", struct.pack("<d", value))[0]
+    if isinstance(value, torch.dtype):
+        return _DTYPE_TAG, _dtype_code(value)
     return 4, _crc(repr(value))
 
 
@@ -163,13 +222,14 @@ def _float_of(code: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", code))[0])
 
 
-def _settings_agree(rows: list[list[int]]) -> bool:
-    """Every rank sent the same settings; floats equal to a relative ``1e-6``."""
+def _settings_agree(rows: list[list[int]], dtypes: bool = True) -> bool:
+    """Every rank sent the same settings; floats equal to a relative ``1e-6``; dtype
+    settings only with ``dtypes``."""
     first = rows[0]
     for row in rows[1:]:
         for i in range(0, _SETTING * _MAX_SETTINGS, _SETTING):
             mine, theirs = first[i : i + _SETTING], row[i : i + _SETTING]
-            if mine == theirs:
+            if mine == theirs or (not dtypes and mine[1] == theirs[1] == _DTYPE_TAG):
                 continue
             same_float = mine[:2] == theirs[:2] and mine[1] == _FLOAT_TAG
             if not (
@@ -195,6 +255,12 @@ def _settings_message(fingerprints: list[list[tuple[str, str, str]]]) -> str:
             short = [f[i][1] for f in fingerprints]
             values = short if len(set(short)) > 1 else full  # 6 digits unless they tie
             each = ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
+            if key.startswith(_CALL_KEY):
+                return (
+                    f"{key}: differs across ranks ({each}); every rank must call each "
+                    "gathered loss Module the same number of times, in the same order (a "
+                    "rank's extra call met another call's exchange; every rank raises it)"
+                )
             return (
                 f"{key}: differs across ranks ({each}); every rank must use the same {key} "
                 "to gather, or the ranks compute different losses (every rank raises it)"
@@ -267,11 +333,13 @@ def validate_together(
     * if any rank failed, every rank raises that rank's error (the lowest failing rank's,
       same type and message everywhere);
     * if the ranks disagree on a setting (``temperature`` 0.05 and 0.07, ``reduction``,
-      ``chunk_size`` ``None`` and 2, ...) every rank raises a ``ValueError`` naming it and
-      each rank's value;
+      ``chunk_size`` ``None`` and 2, the scale's dtype, ...), on which tensors they
+      gather, or on the number of this call among a loss Module's gathered calls
+      (:func:`counted_call`), every rank raises a ``ValueError`` naming it and each
+      rank's value;
     * if they disagree on a registered tensor's dtype or its sizes after the batch dim
-      (``D = 8`` on one rank, ``16`` on another: the gather would abort a rank) every
-      rank raises a ``ValueError`` naming it and both values;
+      (``D = 8`` on one rank, ``16`` on another; ``ids`` int32 and int64: the gather
+      would abort a rank) every rank raises a ``ValueError`` naming it and both values;
     * if the *global* batch is below ``min_global`` every rank raises a ``ValueError``
       naming ``name``. Splits 1 + 6 and 0 + 2 are legal, 1 + 0 is not.
 
@@ -294,6 +362,7 @@ def validate_together(
     if not enabled:
         yield v
         return
+    call = _number_call()  # counted with the checks off too: the counts stay equal
     if dist.get_backend() == "nccl":  # NCCL only moves CUDA tensors, whatever ref is
         device = torch.device("cuda", torch.cuda.current_device())
     elif isinstance(ref, Tensor) and ref.device.type != "meta":
@@ -307,13 +376,16 @@ def validate_together(
             _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
         return
     v.active = True
+    if call is not None:
+        v.fingerprint.append(call)
     error: Exception | None = None
     try:
         yield v
     except Exception as err:  # re-raised below, on every rank
         error = err
     shared = [1, int(error is not None), v.batch]
-    if error is None:
+    if error is None:  # which tensors are gathered, by name: compared before their slots
+        v.fingerprint.append(("gathered", ", ".join(n for n, _ in v.tensors)))
         shared += v._encoded_settings() + v._encoded()
     else:  # the same length, nothing to compare: the error is raised first
         shared += [0] * (_HEADER - 3)
@@ -361,21 +433,28 @@ def _raise_disagreement(
         cls = TypeError if kind == "TypeError" else ValueError
         raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
     settings = [row[3 : 3 + _SETTING * _MAX_SETTINGS] for row in rows]
-    if not _settings_agree(settings):
-        mine = [(k, _printed(x), repr(x)) for k, x in v.fingerprint]
-        prints: list[object] = [None] * len(rows)
-        dist.all_gather_object(prints, mine)
-        raise ValueError(_settings_message(typing.cast(list[list[tuple[str, str, str]]], prints)))
+    if not _settings_agree(settings, dtypes=False):
+        _raise_settings(v, len(rows))
     slots = [row[3 + _SETTING * _MAX_SETTINGS :] for row in rows]
     mismatch = _disagreement([n for n, _ in v.tensors], slots)
     if mismatch is not None:
         raise ValueError(mismatch)
+    if not _settings_agree(settings):  # the scale's dtype, once the inputs' agree
+        _raise_settings(v, len(rows))
     total = sum(row[2] for row in rows)
     if total < min_global:
         raise ValueError(
             f"{name}: global batch size {total} over {len(rows)} ranks is too small; a "
             f"contrastive loss needs at least {min_global} samples so that each has a negative"
         )
+
+
+def _raise_settings(v: Validation, world: int) -> typing.NoReturn:
+    """Raise the settings' disagreement, worded from every rank's fingerprint."""
+    mine = [(k, _printed(x), repr(x)) for k, x in v.fingerprint]
+    prints: list[object] = [None] * world
+    dist.all_gather_object(prints, mine)
+    raise ValueError(_settings_message(typing.cast(list[list[tuple[str, str, str]]], prints)))
 
 
 def _local_sizes(n: int, device: torch.device) -> list[int]:

@@ -23,7 +23,7 @@ from ._common import (
     _scale_setting,
     _TemperatureMixin,
 )
-from .distributed import resolve_gather, validate_together
+from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["InfoNCELoss", "info_nce"]
 
@@ -98,7 +98,7 @@ def info_nce(
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         _logit_range([(a, "audio", t, "text")], normalize, validate, temperature=temperature)
         v.batch = a.shape[0]
-        v.agree(audio=a, text=t)
+        v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
         v.settings(
             **_scale_setting(temperature, logit_scale),
             reduction=reduction,
@@ -157,6 +157,7 @@ class InfoNCELoss(_TemperatureMixin):
         self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
 
+    @counted_call
     def forward(
         self,
         audio: Tensor,

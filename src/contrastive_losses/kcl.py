@@ -40,7 +40,7 @@ from ._kernels import (
     _TiledCrossEntropy,
     l2_normalize,
 )
-from .distributed import resolve_gather, validate_together
+from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["KCLLoss", "kcl"]
 
@@ -164,8 +164,11 @@ def kcl(
             normalize=normalize,
             mask_given=mask is not None,
         )
-    # Single process, per-language negatives: normalise through the scores (fast path),
-    # unless 1/||t||^2 in its backward could overflow (norms below sqrt(tiny)).
+    # Single process, per-language negatives: normalise through the scores (fast path)
+    # only where the checks read the norms and found them moderate: the unnormalised
+    # scores t @ (a / tau).T overflow for a caption norm near the dtype's max (3.4e38
+    # normalises fine). With the checks off nothing is read (no sync), so the captions
+    # are normalised first, as every other loss does: the same value as checks on.
     fused = normalize and not enabled and negatives == "per_language" and moderate
     fused = fused and chunk_size is None
     out_dtype = a.dtype
@@ -399,6 +402,7 @@ class KCLLoss(_TemperatureMixin):
     def _extra_settings(self) -> list[str]:
         return [f"negatives={self.negatives!r}"]
 
+    @counted_call
     def forward(
         self,
         audio: Tensor,

@@ -31,9 +31,10 @@ from ._common import (
     _reduce,
     _refuse_trainable,
     _scalar_repr,
+    _value_dtype,
 )
 from ._kernels import _TiledSigmoid
-from .distributed import resolve_gather, validate_together
+from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["SigLIPLoss", "siglip"]
 
@@ -155,10 +156,11 @@ def siglip(
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale, shift=bias)
         v.batch = a.shape[0]
-        v.agree(audio=a, text=t)
+        v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
         v.settings(
             **{"logit_scale" if logit_scale is not None else "scale": scale},
             **{"logit_bias" if logit_bias is not None else "bias": bias},
+            **{"scale dtype": _value_dtype(scale), "bias dtype": _value_dtype(bias)},
             reduction=reduction,
             chunk_size=chunk_size,
             normalize=normalize,
@@ -274,6 +276,7 @@ class SigLIPLoss(_LossSettings):
             f"learnable={self.learnable}, {self._settings_repr()}"
         )
 
+    @counted_call
     def forward(
         self,
         audio: Tensor,

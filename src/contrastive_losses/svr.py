@@ -48,7 +48,7 @@ from ._kernels import (
     l2_normalize,
 )
 from ._svr_monitor import _RadiusMonitor
-from .distributed import resolve_gather, validate_together
+from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["RadiusPredictor", "SupportVectorRegularizer", "support_vector_term"]
 
@@ -449,7 +449,7 @@ class RadiusPredictor(nn.Module):
         self.num_features = _checks.check_int(num_features, "num_features", 2)
         _checks.resolve_validate(validate_args)  # the type
         self.validate_args = validate_args
-        _checks.check_int(hidden, "hidden", 1)
+        self.hidden = _checks.check_int(hidden, "hidden", 1)
         _checks.check_non_negative(radius_init, "radius_init")
         last = nn.Linear(hidden, 1)
         nn.init.zeros_(last.weight)
@@ -731,6 +731,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         self.alpha = float(alpha)
         self.beta = float(beta)
         self.svr_temperature = None if temperature is None else float(temperature)
+        self.radius_init = float(radius_init)
         self.predictor: RadiusPredictor | None = None
         if isinstance(radius, str):
             _checks.check_choice(radius, "radius", RADIUS_MODES)
@@ -775,6 +776,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             return self.svr_temperature
         return cast(Tensor, self.base.temperature)
 
+    @counted_call
     def forward(
         self,
         *args: Any,
@@ -877,8 +879,15 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
         chunk_size = getattr(self.base, "chunk_size", None)
+        predictor = self.predictor
         settings = {  # must match across ranks (the base's are checked by the base)
             "radius": self.radius_mode,
+            # A fixed radius' value (a buffer) and a static one's (a parameter that DDP
+            # keeps equal); a dynamic radius' initial value and the predictor's sizes.
+            "radius value": self.radius if predictor is None else None,
+            "radius_init": None if self.radius_mode == "fixed" else self.radius_init,
+            "num_features": None if predictor is None else predictor.num_features,
+            "hidden": None if predictor is None else predictor.hidden,
             "direction": self.direction,
             "alpha": self.alpha,
             "beta": self.beta,
