@@ -247,7 +247,12 @@ def scan(stamps: Path) -> tuple[list[Stamp], dict[str, list[str]]]:
             stamp = by_stem.get(stamp_stem)
             if stamp is None:  # its text was bad; reported above
                 continue
-            if what == "desc":
+            if what == "desc" and (locale or "en") not in LANGUAGE_CODES:
+                problems.append(
+                    f"{here / name}: spoken language {locale!r} has no trainer code; add it "
+                    f"to LANGUAGE_CODES in {__file__}"
+                )
+            elif what == "desc":
                 stamp.recordings[here / name] = locale or "en"
             elif what == "sfx":
                 stamp.sound_effect = here / name
@@ -255,7 +260,7 @@ def scan(stamps: Path) -> tuple[list[Stamp], dict[str, list[str]]]:
                 skipped["localised_sound"].append(rel)
         found.extend(by_stem.values())
     if problems:
-        raise TuxPaintError(_listing(f"{len(problems)} bad description file(s)", problems))
+        raise TuxPaintError(_listing(f"{len(problems)} bad stamp file(s)", problems))
     if not found:
         raise TuxPaintError(
             f"{stamps}: no stamp descriptions (*.txt with an English first line) in this folder "

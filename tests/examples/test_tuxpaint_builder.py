@@ -162,6 +162,12 @@ def test_text_without_english_line_is_named(stamps: Path, tmp_path: Path) -> Non
     _fails(root, tmp_path / "out", match=r"owl2\.txt: not UTF-8")
 
 
+def test_recording_in_an_unknown_language_is_named(stamps: Path, tmp_path: Path) -> None:
+    root = _copy(stamps, tmp_path)
+    tone(next(root.rglob("apple.txt")).parent / "apple_desc_xx.ogg", 300.0)
+    _fails(root, tmp_path / "out", match=r"apple_desc_xx\.ogg: spoken language 'xx'")
+
+
 def test_empty_folder_and_bad_options(tmp_path: Path) -> None:
     (tmp_path / "empty" / "animals").mkdir(parents=True)
     _fails(tmp_path / "empty", tmp_path / "out", match="no stamp descriptions")
