@@ -184,7 +184,7 @@ def test_trainer_runs_on_built_manifests(
     out = tmp_path / "run"
     result = _run(_options(tiny_manifests, out, plots=True), tmp_path, "run")
     assert result["step"] == 2 * (sum(1 for _ in _clips(tiny_manifests / "train.jsonl")) // 8)
-    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    rows = _steps(out)
     assert rows and all(np.isfinite(r["loss"]) for r in rows)
     metrics = result["history"][-1]["metrics"]
     for lang in ("eng_Latn", "fra_Latn", "rus_Cyrl", "deu_Latn"):  # per-language report
@@ -197,6 +197,34 @@ def test_trainer_runs_on_built_manifests(
     monkeypatch.setattr(e5, "load_backend", lambda: again)
     _run(_options(tiny_manifests, tmp_path / "run2", epochs=1, loss="kcl"), tmp_path, "run2")
     assert again.seen == []
+
+
+def test_resume_reproduces_the_following_steps(
+    tiny_manifests: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CNN (dropout on) + e5 (its standardising statistics in the checkpoint): a run resumed
+    mid-epoch from step 3 repeats the uninterrupted run's later steps exactly."""
+    monkeypatch.setattr(e5, "load_backend", FakeBackend)
+    options = _options(
+        tiny_manifests, tmp_path / "full", test_manifest=None, save_every_steps=1,
+        keep_checkpoints=20, cnn_config={"channels": 16, "layers": 2, "embed_dim": 16,
+                                          "dropout": 0.3},
+    )  # fmt: skip
+    _run(options, tmp_path, "full")
+    full = _steps(tmp_path / "full")
+    start = tmp_path / "full" / "checkpoints" / "step-00000003"
+    state = torch.load(start / "state.pt", weights_only=True)
+    assert "text.norm.running_mean" in state["model"]  # the e5 statistics are saved
+    options.update(output_dir=str(tmp_path / "resumed"), resume=str(start))
+    _run(options, tmp_path, "resumed")
+    resumed = _steps(tmp_path / "resumed")
+    assert len(full) == len(resumed) > 4
+    for a, b in zip(full[3:], resumed[3:], strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
+
+
+def _steps(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
 def _clips(manifest: Path) -> set[str]:
