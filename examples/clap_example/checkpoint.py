@@ -258,6 +258,7 @@ UNCOMPARED = frozenset(
         "mlclap_checkpoint",
         "sonar",
         "sonar_weights",
+        "e5_cache",  # where the same features are kept
         "loss_chunk_size",  # exact: the same loss and gradients, only the memory differs
     }
 )
