@@ -33,6 +33,7 @@ from ._common import (
     _scalar_repr,
 )
 from ._kernels import _TiledSigmoid
+from ._param_watch import ParameterWatch
 from .distributed import resolve_gather, validate_together
 
 __all__ = ["SigLIPLoss", "siglip"]
@@ -250,12 +251,30 @@ class SigLIPLoss(_LossSettings):
         self.learnable = learnable
         log_scale = torch.tensor(math.log(scale_init))
         bias = torch.tensor(float(bias_init))
+        self._watch = ParameterWatch(
+            "SigLIPLoss: the learnable scale and bias got gradients in {steps} training "
+            "steps but never changed from their initial values, so the loss trains at a "
+            "fixed scale and bias. Are the loss's parameters in the optimizer? Pass them "
+            "with the model's, e.g. torch.optim.AdamW([*model.parameters(), "
+            "*loss_fn.parameters()]), or build it with learnable=False"
+        )
         if learnable:
             self.log_scale = nn.Parameter(log_scale)
             self.bias = nn.Parameter(bias)
+            self._watch.arm(self, [self.log_scale, self.bias])
         else:
             self.register_buffer("log_scale", log_scale)
             self.register_buffer("bias", bias)
+
+    #: Training steps (backward passes in training mode) after which a learnable scale
+    #: and bias that got gradients but never changed are reported (not in the optimizer).
+    stuck_after: int = 50
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy or an unpickled loss watches its own scale and bias."""
+        super().__setstate__(state)
+        if self.learnable:
+            self._watch.arm(self, [self.log_scale, self.bias])
 
     @property
     def scale(self) -> Tensor:
@@ -307,6 +326,8 @@ class SigLIPLoss(_LossSettings):
                 f"{given}: SigLIPLoss(learnable=True) learns its own scale and bias; with "
                 "the model's (logit_scale=..., logit_bias=...) build it with learnable=False"
             )
+        if self.learnable:
+            self._watch.rearm(self, [self.log_scale, self.bias])
         scale: dict[str, Any] = (
             {"scale": self.scale} if logit_scale is None else {"logit_scale": logit_scale}
         )
