@@ -170,12 +170,20 @@ def siglip(
     if chunk_size is None:
         per_row = _dense_rows(a, t_all, scale, bias, offset, ids, ids_all)
     else:
-        s_t, b_t = (torch.as_tensor(v, dtype=a.dtype, device=a.device) for v in (scale, bias))
+        s_t, b_t = (_as_tensor(v, a).to(a.dtype) for v in (scale, bias))
         per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, ids_all, chunk_size)
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
-    terms = {"scale": torch.as_tensor(scale), "bias": torch.as_tensor(bias)}
+    terms = {"scale": _as_tensor(scale, a), "bias": _as_tensor(bias, a)}
     return _finish(loss, terms, return_terms)
+
+
+def _as_tensor(value: float | Tensor, ref: Tensor) -> Tensor:
+    """A float as a 0-d tensor in ``ref``'s dtype and on its device (a tensor as it is),
+    made by a multiplication: ``torch.compile`` keeps a float that changes between
+    calls symbolic through it (one graph for every value), where ``torch.as_tensor``
+    or ``torch.full`` bake each value into a graph of its own."""
+    return value if isinstance(value, Tensor) else ref.new_ones(()) * value
 
 
 def _dense_rows(
