@@ -495,8 +495,14 @@ class _TemperatureMixin(_LossSettings):
         if torch.compiler.is_compiling() or _stamp(buffer) == self._fixed_stamp:
             return self._fixed
         if buffer.device.type != "meta":
+            # the same value as ours, once both are rounded to the buffer's dtype or to
+            # float32 (the dtype it was made in: .double() upcasts the rounded value)
+            coarse = buffer.dtype
+            if torch.finfo(coarse).eps < torch.finfo(torch.float32).eps:
+                coarse = torch.float32
             log = float(buffer.detach())
-            if log != float(torch.tensor(math.log(1.0 / self._fixed), dtype=buffer.dtype)):
+            ours = math.log(1.0 / self._fixed)
+            if torch.tensor(log, dtype=coarse) != torch.tensor(ours, dtype=coarse):
                 self._fixed = 1.0 / math.exp(min(log, math.log(self.max_logit_scale)))
         self._fixed_stamp = _stamp(buffer)
         return self._fixed

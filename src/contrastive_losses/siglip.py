@@ -80,7 +80,7 @@ def _model_scale_bias(
     if logit_bias is not None:
         if isinstance(bias, Tensor) or bias != -10.0:
             raise ValueError(f"logit_bias: given together with bias={bias!r}; pass one of them")
-        bias = _check_logit_scale(logit_bias, ref, validate=False, name="logit_bias")
+        bias = _check_logit_scale(logit_bias, ref, False, "logit_bias", is_scale=False)
         _check_bias(bias, validate, "logit_bias")  # may be negative: its own bounds
     return scale, bias
 
