@@ -179,6 +179,11 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
         # open_clip needs equal batch sizes; the drop-in takes the last, uneven, batch too
         uneven = ClipLoss(local_loss=False, gather_with_grad=True, **common)
         results["clip_ours_uneven"] = _run(uneven, rank_rows(rank))
+        for chunk in (None, 3):  # open_clip's per-rank value on uneven shards too
+            local = ClipLoss(local_loss=True, gather_with_grad=True, chunk_size=chunk, **common)
+            results[f"clip_ours_uneven_local_{chunk}"] = _run(local, rank_rows(rank))
+            sig = SigLipLoss(chunk_size=chunk, **common)
+            results[f"siglip_ours_uneven_{chunk}"] = _run(sig, rank_rows(rank))
         for impl in ("bidir", "shift", "reduce", "gather"):
             theirs = oc.SigLipLoss(dist_impl=impl, **common)
             results[f"siglip_theirs_{impl}"] = _run(theirs, rows)
@@ -251,6 +256,40 @@ def test_two_rank_warnings_and_uneven_batches(ranks):
     whole = _run(ClipLoss(), slice(None))
     for r in ranks:
         torch.testing.assert_close(r["clip_ours_uneven"][0], whole[0])
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_two_rank_uneven_value_is_open_clips_per_rank_mean(ranks, name, chunk):
+    """On uneven shards (5 + 3 rows) each rank's value is open_clip's convention, the
+    mean over its own rows of their losses against the global batch (``ClipLoss``
+    with ``local_loss``, ``SigLipLoss``), while the gradients stay the exact ones: a
+    rank's feature gradients are ``world`` times the global-batch loss's (each rank's
+    loss counts its rows ``world / N`` times, so the sum over ranks is ``world`` times
+    that loss), and the mean over ranks of the scale's and bias' gradients is the
+    global-batch loss's."""
+    key = f"clip_ours_uneven_local_{chunk}" if name == "clip" else f"siglip_ours_uneven_{chunk}"
+    data = _data()
+    image, text = data["image"].clone().requires_grad_(), data["text"].clone().requires_grad_()
+    log_scale = torch.tensor(math.log(10.0), dtype=F64, requires_grad=True)
+    logit_bias = torch.tensor(-4.0, dtype=F64, requires_grad=True)
+    if name == "clip":
+        rows = CF.info_nce(image, text, logit_scale=log_scale.exp(), normalize=False,
+                           reduction="none")  # fmt: skip
+        rows = rows + 0.0 * logit_bias
+    else:
+        rows = CF.siglip(image, text, logit_scale=log_scale.exp(), logit_bias=logit_bias,
+                         normalize=False, reduction="none")  # fmt: skip
+    rows.mean().backward()
+    world = len(ranks)
+    for rank, r in enumerate(ranks):
+        part = rank_rows(rank)
+        torch.testing.assert_close(r[key][0], rows[part].mean().detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(r[key][1], world * image.grad[part], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(r[key][2], world * text.grad[part], rtol=1e-10, atol=1e-12)
+    assert not torch.isclose(ranks[0][key][0] + ranks[1][key][0], 2 * rows.mean())  # uneven
+    for part, leaf in ((3, log_scale), (4, logit_bias)):
+        torch.testing.assert_close(_mean(ranks, key, part), leaf.grad, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------ a tiny open_clip

@@ -375,6 +375,12 @@ def check_ids(
 ) -> Tensor:
     """Integer ``(batch,)`` ids on ``ref``'s device; ``what`` and ``ref_name`` word the errors."""
     ids = check_tensor(ids, name)
+    if ids.dim() == 0 and name == "ids":  # a loss's third positional argument
+        raise ValueError(
+            f"{name}: expected shape ({batch},) {what}, got a 0-d tensor; if it is the "
+            "model's scale, pass it by keyword: loss_fn(audio, text, "
+            "logit_scale=model.logit_scale.exp()) (the third positional argument is ids)"
+        )
     if ids.dim() != 1 or ids.shape[0] != batch:
         raise ValueError(f"{name}: expected shape ({batch},) {what}, got {_shape(ids)}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:

@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from . import _checks
 from ._kernels import _TiledCrossEntropy, _UpperClamp, l2_normalize
+from ._param_watch import ParameterWatch
+from ._warnings import warn_at_caller
 from .distributed import all_gather_no_grad, all_gather_with_grad
 
 Terms = dict[str, Tensor]
@@ -65,11 +67,21 @@ def _warn_logit_scale_habit(
 
 
 def _check_logit_scale(
-    logit_scale: object, ref: object, validate: bool = True, name: str = "logit_scale"
+    logit_scale: object,
+    ref: object,
+    validate: bool = True,
+    name: str = "logit_scale",
+    *,
+    is_scale: bool = True,
 ) -> Tensor:
     """The model's exp'd logit scale: a floating 0-d tensor on ``ref``'s device (when
     ``ref`` is a tensor); with ``validate`` positive, finite and at most
-    ``1/MIN_TEMPERATURE`` (one host sync). Returns it."""
+    ``1/MIN_TEMPERATURE`` (one host sync). Returns it.
+
+    For the scale (``is_scale``; not for SigLIP's bias, which goes through here too) two
+    habits warn, once per calling line (:func:`_warn_scale_habits`): a leaf
+    ``nn.Parameter`` (open_clip's and Hugging Face's ``model.logit_scale`` holds the
+    log of the scale), and with ``validate`` a value below 1 (a temperature)."""
     if not isinstance(logit_scale, Tensor):
         raise TypeError(
             f"{name}: expected a 0-d tensor (the model's exp'd scale, e.g. "
@@ -86,6 +98,7 @@ def _check_logit_scale(
         raise ValueError(
             f"{name}: on device {logit_scale.device} but the embeddings are on {ref.device}"
         )
+    value = None
     if validate:
         _checks.check_materialised(logit_scale, name)
         value = float(logit_scale.detach())
@@ -94,7 +107,59 @@ def _check_logit_scale(
                 f"{name}: must be finite and in (0, {1 / MIN_TEMPERATURE:g}] (1/temperature, "
                 f"with the temperature floor {MIN_TEMPERATURE:g}), got {value}"
             )
+    if is_scale and not torch.compiler.is_compiling():
+        _warn_scale_habits(logit_scale, value, name)
     return logit_scale
+
+
+def _warn_scale_habits(logit_scale: Tensor, value: float | None, name: str) -> None:
+    """Warn, once per calling line, where the scale looks like one of two mistakes: the
+    model's raw ``nn.Parameter`` (open_clip and Hugging Face keep ``log(1/tau)`` there,
+    so ``logit_scale=model.logit_scale`` scales by about 2.66 instead of 14.3), and a
+    ``value`` below 1 (a temperature passed as the scale: every loss then sits near
+    ``log B``, with no learning signal)."""
+    if isinstance(logit_scale, nn.Parameter):
+        warn_at_caller(
+            "raw logit_scale",
+            f"{name}: got an nn.Parameter itself; open_clip and Hugging Face keep the log of "
+            f"the scale in model.logit_scale, so {name}=model.logit_scale scales the logits "
+            f"by about 2.66 instead of 14.3. Pass {name}=model.logit_scale.exp() (open_clip "
+            f"clamps it: model.logit_scale.exp().clamp(max=100)); if your parameter holds the "
+            f"scale itself, not its log, pass {name}=param.clamp(max=100), which also "
+            "silences this",
+        )
+    if value is not None and value < 1:
+        warn_at_caller(
+            "logit_scale below 1",
+            f"{name}={value:.4g} is below 1: it looks like a temperature ({name} is "
+            f"1/temperature, the model's exp'd scale, about 14.3 at CLIP's initialisation), "
+            f"which leaves every loss near log(batch size) with no learning signal. Pass "
+            f"{name}={1 / value:.4g}, or temperature={value:.4g} instead of {name}",
+        )
+
+
+def _resolve_scale(
+    temperature: float | Tensor,
+    logit_scale: Tensor | None,
+    ref: object,
+    validate: bool = True,
+    default: float = 0.07,
+) -> float | Tensor:
+    """The logit scale of a call, the factor the logits are multiplied by (open_clip's
+    ``logit_scale * x @ y.T``): the model's ``logit_scale`` itself (checked; then
+    ``temperature`` must be left at its ``default``), else ``1 / temperature`` (checked):
+    a Python float for a float (exact in every input dtype; under ``torch.compile`` a
+    symbolic float, so a new value reuses the graph), and for a tensor its reciprocal
+    in the wider of its and ``ref``'s dtypes (a float32 temperature with float64 input
+    loses nothing)."""
+    if logit_scale is not None:
+        return _resolve_temperature(temperature, logit_scale, ref, validate, default, scale=True)
+    _temperature(temperature, validate, stacklevel=5)
+    if not isinstance(temperature, Tensor):
+        return 1.0 / temperature
+    if isinstance(ref, Tensor) and ref.is_floating_point():
+        temperature = temperature.to(torch.promote_types(temperature.dtype, ref.dtype))
+    return temperature.reciprocal()
 
 
 def _resolve_temperature(
@@ -103,9 +168,12 @@ def _resolve_temperature(
     ref: object,
     validate: bool = True,
     default: float = 0.07,
+    *,
+    scale: bool = False,
 ) -> float | Tensor:
     """The temperature of a call: ``temperature`` (checked), or ``1/logit_scale`` when the
-    model's scale is given (then ``temperature`` must be left at its ``default``)."""
+    model's scale is given (then ``temperature`` must be left at its ``default``); with
+    ``scale`` the checked ``logit_scale`` itself (:func:`_resolve_scale`)."""
     if logit_scale is None:
         _temperature(temperature, validate, stacklevel=5)
         return temperature
@@ -114,7 +182,8 @@ def _resolve_temperature(
             f"logit_scale: given together with temperature={temperature!r}; pass one of "
             "them (logit_scale is 1/temperature, the model's exp'd scale)"
         )
-    return _check_logit_scale(logit_scale, ref, validate).reciprocal()
+    checked = _check_logit_scale(logit_scale, ref, validate)
+    return checked if scale else checked.reciprocal()
 
 
 def _scale_setting(temperature: float | Tensor, logit_scale: Tensor | None) -> dict[str, object]:
@@ -261,15 +330,20 @@ def _multi_positive_ce(logits: Tensor, positives: Tensor) -> Tensor:
 def _info_nce_rows(
     a: Tensor,
     t: Tensor,
-    temperature: float | Tensor,
+    scale: float | Tensor,
     ids: Tensor | None,
     gather: bool,
     chunk_size: int | None = None,
     validate: bool = True,
 ) -> tuple[Tensor, Tensor, _Batch]:
-    """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each."""
+    """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each, of
+    the logits ``scale * a @ t.T`` (:func:`_resolve_scale`)."""
     b = a.shape[0]
-    a = a / temperature  # scale the (b, D) side, not the (b, N) logits
+    # Scale the (b, D) side, not the (b, N) logits, by a multiplication in a's dtype, as
+    # open_clip's logit_scale * x @ y.T: a half-precision scale with float32 features
+    # is taken exactly, and its gradient is a sum of products (a reciprocal's gradient,
+    # -g/s**2, overflowed for tiny scales and for float16 features of norm 30).
+    a = a * scale
     if chunk_size is not None:
         return _tiled_info_nce_rows(a, t, ids, gather, chunk_size, validate)
     if not gather:
@@ -390,10 +464,54 @@ class _TemperatureMixin(_LossSettings):
         self.learnable_temperature = learnable
         self.max_logit_scale = float(max_logit_scale)
         log_scale = torch.tensor(math.log(1.0 / temperature))
+        self._watch = ParameterWatch(
+            f"{type(self).__name__}: the learnable temperature got gradients in {{steps}} "
+            "training steps but never changed from its initial value, so the loss trains "
+            "at a fixed temperature. Are the loss's parameters in the optimizer? Pass them "
+            "with the model's, e.g. torch.optim.AdamW([*model.parameters(), "
+            "*loss_fn.parameters()]), or build it with learnable_temperature=False"
+        )
         if learnable:
             self.log_logit_scale = nn.Parameter(log_scale)
+            self._watch.arm(self, [self.log_logit_scale])
         else:
+            # The value used is the Python float, exact in every input dtype; the buffer
+            # (float32, as checkpoints hold it) follows it, and a new value written into
+            # the buffer (load_state_dict, fill_) is adopted (_fixed_value).
             self.register_buffer("log_logit_scale", log_scale)
+            self._fixed = float(temperature)
+            self._fixed_stamp = _stamp(log_scale)
+
+    #: Training steps (backward passes in training mode) after which a learnable
+    #: temperature that got gradients but never changed is reported (not in the optimizer).
+    stuck_after: int = 50
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy or an unpickled loss watches its own temperature parameter."""
+        super().__setstate__(state)
+        if getattr(self, "learnable_temperature", False):
+            self._watch.arm(self, [self.log_logit_scale])
+
+    def _fixed_value(self) -> float:
+        """The fixed temperature as a Python float: the value given, unless the buffer
+        has since been given another (then that one, within ``max_logit_scale``; one host
+        read per change, noticed by the buffer's identity and version counter, in eager
+        mode only)."""
+        buffer = self.log_logit_scale
+        if torch.compiler.is_compiling() or _stamp(buffer) == self._fixed_stamp:
+            return self._fixed
+        if buffer.device.type != "meta":
+            # the same value as ours, once both are rounded to the buffer's dtype or to
+            # float32 (the dtype it was made in: .double() upcasts the rounded value)
+            coarse = buffer.dtype
+            if torch.finfo(coarse).eps < torch.finfo(torch.float32).eps:
+                coarse = torch.float32
+            log = float(buffer.detach())
+            ours = math.log(1.0 / self._fixed)
+            if torch.tensor(log, dtype=coarse) != torch.tensor(ours, dtype=coarse):
+                self._fixed = 1.0 / math.exp(min(log, math.log(self.max_logit_scale)))
+        self._fixed_stamp = _stamp(buffer)
+        return self._fixed
 
     def _loss(
         self,
@@ -405,12 +523,19 @@ class _TemperatureMixin(_LossSettings):
     ) -> Tensor | tuple[Tensor, Terms]:
         """``fn(*args, temperature, ...)`` with this Module's settings, or
         ``fn(*args, logit_scale=...)`` with the model's scale; ``terms`` also get the
-        temperature used."""
+        temperature used. A fixed temperature goes as the Python float (exact)."""
         settings = {**self._settings(), **kwargs, "return_terms": return_terms}
         if logit_scale is None:
-            temperature = self.temperature
+            if self.learnable_temperature:
+                self._watch.rearm(self, [self.log_logit_scale])
+                temperature: float | Tensor = self.temperature
+            else:
+                temperature = self._fixed_value()
             out = fn(*args, temperature, **settings)
-            return _with_terms(out, return_terms, temperature=temperature)
+            if not return_terms:
+                return out
+            used = temperature if isinstance(temperature, Tensor) else self.temperature
+            return _with_terms(out, return_terms, temperature=used)
         self._refuse_logit_scale()
         out = fn(*args, logit_scale=logit_scale, **settings)
         if not return_terms:
@@ -444,9 +569,19 @@ class _TemperatureMixin(_LossSettings):
 
     @property
     def temperature(self) -> Tensor:
-        """Current temperature :math:`\\tau` as a 0-d tensor (differentiable if learnable)."""
+        """Current temperature :math:`\\tau` as a 0-d tensor (differentiable if learnable;
+        a fixed one in the buffer's dtype and on its device)."""
+        if not self.learnable_temperature:
+            buffer = self.log_logit_scale
+            return torch.tensor(self._fixed_value(), dtype=buffer.dtype, device=buffer.device)
         log_bound = math.log(self.max_logit_scale)
         return 1.0 / _UpperClamp.apply(self.log_logit_scale, log_bound).exp()
+
+
+def _stamp(buffer: Tensor) -> tuple[int, int]:
+    """A tensor's identity and version counter (bumped by every in-place write: ``fill_``,
+    ``copy_`` in ``load_state_dict``); inference tensors have no counter (-1)."""
+    return id(buffer), -1 if buffer.is_inference() else buffer._version
 
 
 def _refuse_trainable(value: object, name: str, instead: str) -> None:

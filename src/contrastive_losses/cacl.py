@@ -23,7 +23,7 @@ from ._common import (
     _info_nce_rows,
     _logit_range,
     _reduce,
-    _resolve_temperature,
+    _resolve_scale,
     _scale_setting,
     _TemperatureMixin,
 )
@@ -92,7 +92,7 @@ def cacl(
     validate = _checks.resolve_validate(validate_args)
     with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
-        temperature = _resolve_temperature(temperature, logit_scale, audio, validate)
+        scale = _resolve_scale(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
         e = _embeddings(english, "english", "(B, D)", normalize, v.min_batch, validate)
@@ -100,7 +100,7 @@ def cacl(
         _check_pair(a, "audio", e, "english")
         _check_pair(a, "audio", o, "other")
         pairs = [(a, "audio", e, "english"), (a, "audio", o, "other"), (e, "english", o, "other")]
-        _logit_range(pairs, normalize, validate, temperature=temperature)
+        _logit_range(pairs, normalize, validate, scale=scale)
         v.batch = a.shape[0]
         v.agree(audio=a, english=e, other=o)
         v.settings(
@@ -117,7 +117,7 @@ def cacl(
         "loss_audio_other": (a, o),
         "loss_english_other": (e, o),
     }.items():
-        x2y, y2x, batch = _info_nce_rows(x, y, temperature, None, enabled, chunk_size, validate)
+        x2y, y2x, batch = _info_nce_rows(x, y, scale, None, enabled, chunk_size, validate)
         per_sample.append((x2y + y2x) / 2)
         terms[name] = _reduce(per_sample[-1], "mean", batch.n_global, batch)
     loss = _reduce(torch.stack(per_sample).mean(0), reduction, batch.n_global, batch)

@@ -19,7 +19,7 @@ from ._common import (
     _logit_range,
     _pair_and_ids,
     _reduce,
-    _resolve_temperature,
+    _resolve_scale,
     _scale_setting,
     _TemperatureMixin,
 )
@@ -93,10 +93,10 @@ def info_nce(
     validate = _checks.resolve_validate(validate_args)
     with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
-        temperature = _resolve_temperature(temperature, logit_scale, audio, validate)
+        scale = _resolve_scale(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
-        _logit_range([(a, "audio", t, "text")], normalize, validate, temperature=temperature)
+        _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
         v.settings(
@@ -106,7 +106,7 @@ def info_nce(
             normalize=normalize,
             ids_given=ids is not None,
         )
-    a2t, t2a, batch = _info_nce_rows(a, t, temperature, ids, enabled, chunk_size, validate)
+    a2t, t2a, batch = _info_nce_rows(a, t, scale, ids, enabled, chunk_size, validate)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     terms = {
         "loss_a2t": _reduce(a2t, "mean", batch.n_global, batch),

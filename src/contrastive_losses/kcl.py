@@ -29,7 +29,7 @@ from ._common import (
     _logit_range,
     _multi_positive_ce,
     _reduce,
-    _resolve_temperature,
+    _resolve_scale,
     _scale_setting,
     _TemperatureMixin,
 )
@@ -147,13 +147,13 @@ def kcl(
     with validate_together(enabled, audio, validate=validate) as v:
         _checks.check_reduction(reduction)
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
-        temperature = _resolve_temperature(temperature, logit_scale, audio, validate)
+        scale = _resolve_scale(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
         t_raw, text_norms, m, moderate = _text_and_mask(
             a, text, mask, normalize, v.min_batch, validate
         )
-        _logit_range([(a, "audio", t_raw, "text")], normalize, validate, temperature=temperature)
+        _logit_range([(a, "audio", t_raw, "text")], normalize, validate, scale=scale)
         v.batch = a.shape[0]
         v.agree(audio=a, text=t_raw)
         v.settings(
@@ -178,7 +178,7 @@ def kcl(
         # input dtype (autograd casts the gradients back).
         a, t_raw, text_norms = a.float(), t_raw.float(), text_norms.float()
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
-    a = a / temperature  # scale the (B, D) side, not the (K, B, B) scores
+    a = a * scale  # the (B, D) side, not the (K, B, B) scores; as in _info_nce_rows
     if chunk_size is not None:
         a2t, t2a, offset, n_global, m_all = _tiled_pairs(
             a, t, m, negatives, enabled, chunk_size, validate

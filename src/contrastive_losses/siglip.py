@@ -34,6 +34,7 @@ from ._common import (
     _value_dtype,
 )
 from ._kernels import _TiledSigmoid
+from ._param_watch import ParameterWatch
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["SigLIPLoss", "siglip"]
@@ -80,7 +81,7 @@ def _model_scale_bias(
     if logit_bias is not None:
         if isinstance(bias, Tensor) or bias != -10.0:
             raise ValueError(f"logit_bias: given together with bias={bias!r}; pass one of them")
-        bias = _check_logit_scale(logit_bias, ref, validate=False, name="logit_bias")
+        bias = _check_logit_scale(logit_bias, ref, False, "logit_bias", is_scale=False)
         _check_bias(bias, validate, "logit_bias")  # may be negative: its own bounds
     return scale, bias
 
@@ -171,12 +172,20 @@ def siglip(
     if chunk_size is None:
         per_row = _dense_rows(a, t_all, scale, bias, offset, ids, ids_all)
     else:
-        s_t, b_t = (torch.as_tensor(v, dtype=a.dtype, device=a.device) for v in (scale, bias))
+        s_t, b_t = (_as_tensor(v, a).to(a.dtype) for v in (scale, bias))
         per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, ids_all, chunk_size)
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
-    terms = {"scale": torch.as_tensor(scale), "bias": torch.as_tensor(bias)}
+    terms = {"scale": _as_tensor(scale, a), "bias": _as_tensor(bias, a)}
     return _finish(loss, terms, return_terms)
+
+
+def _as_tensor(value: float | Tensor, ref: Tensor) -> Tensor:
+    """A float as a 0-d tensor in ``ref``'s dtype and on its device (a tensor as it is),
+    made by a multiplication: ``torch.compile`` keeps a float that changes between
+    calls symbolic through it (one graph for every value), where ``torch.as_tensor``
+    or ``torch.full`` bake each value into a graph of its own."""
+    return value if isinstance(value, Tensor) else ref.new_ones(()) * value
 
 
 def _dense_rows(
@@ -252,12 +261,30 @@ class SigLIPLoss(_LossSettings):
         self.learnable = learnable
         log_scale = torch.tensor(math.log(scale_init))
         bias = torch.tensor(float(bias_init))
+        self._watch = ParameterWatch(
+            "SigLIPLoss: the learnable scale and bias got gradients in {steps} training "
+            "steps but never changed from their initial values, so the loss trains at a "
+            "fixed scale and bias. Are the loss's parameters in the optimizer? Pass them "
+            "with the model's, e.g. torch.optim.AdamW([*model.parameters(), "
+            "*loss_fn.parameters()]), or build it with learnable=False"
+        )
         if learnable:
             self.log_scale = nn.Parameter(log_scale)
             self.bias = nn.Parameter(bias)
+            self._watch.arm(self, [self.log_scale, self.bias])
         else:
             self.register_buffer("log_scale", log_scale)
             self.register_buffer("bias", bias)
+
+    #: Training steps (backward passes in training mode) after which a learnable scale
+    #: and bias that got gradients but never changed are reported (not in the optimizer).
+    stuck_after: int = 50
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy or an unpickled loss watches its own scale and bias."""
+        super().__setstate__(state)
+        if self.learnable:
+            self._watch.arm(self, [self.log_scale, self.bias])
 
     @property
     def scale(self) -> Tensor:
@@ -310,6 +337,8 @@ class SigLIPLoss(_LossSettings):
                 f"{given}: SigLIPLoss(learnable=True) learns its own scale and bias; with "
                 "the model's (logit_scale=..., logit_bias=...) build it with learnable=False"
             )
+        if self.learnable:
+            self._watch.rearm(self, [self.log_scale, self.bias])
         scale: dict[str, Any] = (
             {"scale": self.scale} if logit_scale is None else {"logit_scale": logit_scale}
         )

@@ -640,8 +640,9 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
 
     Two warnings, once each, in training mode: the radius got gradients for
     :attr:`stuck_after` steps but never changed (its parameters are not in the
-    optimizer), and ``radius_over_distance`` stayed above 0.5 for
-    :attr:`over_distance_steps` consecutive steps.
+    optimizer; checked from autograd's side, so under ``torch.compile`` too), and
+    ``radius_over_distance`` stayed above 0.5 for :attr:`over_distance_steps`
+    consecutive steps (eager only).
 
     Args:
         base: a loss Module with ``contrastive_pairs`` (:class:`~contrastive_losses.InfoNCELoss`,
@@ -828,6 +829,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         loss = base_loss + (self.alpha * svr).to(base_loss.dtype)
         if self.constraint:
             loss = loss + (self.beta * constraint).to(base_loss.dtype)
+        self._rearm_watch()
         if validate and self.training and torch.is_grad_enabled():
             self._monitor(over)
         if not return_terms:
@@ -845,8 +847,8 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
     # ------------------------------------------------------------------ training checks
     # (the checks themselves: _svr_monitor._RadiusMonitor)
 
-    #: Training forwards (with the radius' gradients present) after which a radius that
-    #: never moved from its value at the first training forward is reported.
+    #: Gradients (backward passes in training mode) after which a radius that never
+    #: moved from its value at its first gradient is reported; eager and compiled alike.
     stuck_after: int = 50
     #: Consecutive training forwards with ``radius_over_distance > 0.5`` that are reported.
     over_distance_steps: int = 200

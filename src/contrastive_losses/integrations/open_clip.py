@@ -35,10 +35,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _checks
+from .._common import _check_logit_scale
 from ..infonce import InfoNCELoss
 from ..siglip import SigLIPLoss
 from ..svr import SupportVectorRegularizer
@@ -55,7 +57,12 @@ class _OpenClipSettings(nn.Module):
     Module that computes it (wrapped in the regulariser with ``svr``)."""
 
     def _init_settings(
-        self, cache_labels: bool, rank: int, world_size: int, svr: Mapping[str, Any] | None
+        self,
+        cache_labels: bool,
+        rank: int,
+        world_size: int,
+        svr: Mapping[str, Any] | None,
+        validate_args: bool | None,
     ) -> None:
         self.world_size = _checks.check_int(world_size, "world_size", 1)
         self.rank = _checks.check_int(rank, "rank", 0)
@@ -68,11 +75,33 @@ class _OpenClipSettings(nn.Module):
             )
         self.cache_labels = cache_labels  # open_clip caches its label vector; none is built here
         self.svr = svr
+        self.validate_args = validate_args
 
     def _set_loss(self, base: nn.Module) -> None:
         self.loss: nn.Module = (
             base if self.svr is None else SupportVectorRegularizer(base, **self.svr)
         )
+
+    def _rank_mean(self, loss: Tensor, rows: Tensor) -> Tensor:
+        """open_clip's value on each rank, the mean over this rank's rows, with the exact
+        gradient of the library's loss.
+
+        Our ``loss`` is ``world * (this rank's row sum) / N`` (``N`` rows on all ranks):
+        its mean over ranks is the global-batch loss and its gradient, averaged over ranks
+        by DDP, the global-batch gradient. open_clip returns ``(row sum) / b`` on each
+        rank (``b`` its rows); the two agree on even shards. On uneven ones (allowed here,
+        with the value checks on) the value is rescaled to open_clip's, ``N / (world *
+        b)`` (``N`` from one all-reduce of ``b``, on the device, no host sync) and the
+        gradient stays the exact one: logs then show what each rank of open_clip shows,
+        and training follows the global-batch loss. With the checks off every rank holds
+        ``b = N / world`` rows (the library's rule), so nothing is exchanged."""
+        if not _checks.resolve_validate(self.validate_args):
+            return loss
+        total = torch.full((1,), rows.shape[0], dtype=torch.int64, device=loss.device)
+        dist.all_reduce(total)  # N, exact (a bfloat16 count is not)
+        wide = torch.promote_types(loss.dtype, torch.float32)
+        factor = total[0].to(wide) / (rows.shape[0] * self.world_size)  # 1 on even shards
+        return loss + (loss.detach() * (factor - 1))
 
     @property
     def gather(self) -> bool:
@@ -115,8 +144,14 @@ class ClipLoss(_OpenClipSettings):
 
     Under ``world_size > 1`` every rank's features are all-gathered (uneven batch sizes
     allowed) and each rank computes its own rows against the global batch, as open_clip's
-    ``local_loss=True``; the value is then open_clip's: this rank's mean with ``local_loss``,
-    the global-batch loss without. The gradient is always the exact one, open_clip's with
+    ``local_loss=True``; the value is then open_clip's: this rank's mean with ``local_loss``
+    (the mean over this rank's rows, as each rank of open_clip logs it), the global-batch
+    loss without. On uneven shards that per-rank mean is kept (open_clip's convention, so
+    logs read as open_clip's would), rescaled from the library's own per-rank value
+    (``world`` times this rank's row sum over the global batch size, whose mean over ranks
+    is the global-batch loss); the mean over ranks of the values is then the mean of the
+    ranks' means (weight each by its rows for the global-batch loss). The gradient is
+    always the exact one, open_clip's with
     ``gather_with_grad=True`` (the feature gradients flow back through the gather to their
     rank; the mean over ranks of the gradients, what DDP applies, is the gradient of the
     global-batch loss). open_clip's ``gather_with_grad=False`` differs from it: with
@@ -146,9 +181,15 @@ class ClipLoss(_OpenClipSettings):
     Shape:
         ``forward(image_features (B, D), text_features (B, D), logit_scale (), logit_bias
         () = None, output_dict=False, *, ids (B,) = None)`` -> scalar, or
-        ``{"contrastive_loss": scalar}`` with ``output_dict``. ``logit_bias`` shifts every
-        logit alike, so it cancels in the softmax (value and gradient unchanged, as in
-        open_clip); it gets a zero gradient, so DDP sees it used.
+        ``{"contrastive_loss": scalar}`` with ``output_dict``. ``logit_bias`` (a 0-d
+        tensor; another shape is a ``ValueError`` naming it) shifts every logit alike, so it
+        cancels in the softmax (value and gradient unchanged, as in open_clip); it gets a
+        zero gradient, so DDP sees it used.
+
+    The scale multiplies the image features in their dtype, as open_clip's
+    ``logit_scale * image_features @ text_features.T``: a float16 or bfloat16 scale with
+    float32 features is taken exactly, and the values and gradients equal open_clip's to
+    its own precision in half precision too.
 
     Example:
         >>> import torch
@@ -181,7 +222,7 @@ class ClipLoss(_OpenClipSettings):
                 "use_horovod: Horovod is not supported; launch with torchrun "
                 "(torch.distributed), as open_clip does without --horovod"
             )
-        self._init_settings(cache_labels, rank, world_size, svr)
+        self._init_settings(cache_labels, rank, world_size, svr, validate_args)
         base = InfoNCELoss(
             normalize=False, gather=self.gather, chunk_size=chunk_size, validate_args=validate_args
         )
@@ -228,9 +269,13 @@ class ClipLoss(_OpenClipSettings):
             A scalar, or ``{"contrastive_loss": scalar}`` with ``output_dict``.
         """
         self._check_world()
+        if logit_bias is not None:  # one bias for every logit, as the scale
+            _check_logit_scale(logit_bias, image_features, False, "logit_bias", is_scale=False)
         loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale)
-        if self.gather and not self.local_loss:
-            loss = _mean_over_ranks(loss)
+        if self.gather:
+            loss = (
+                self._rank_mean(loss, image_features) if self.local_loss else _mean_over_ranks(loss)
+            )
         if logit_bias is not None:  # cancels in the softmax: a zero gradient, no new value
             loss = loss + 0.0 * logit_bias
         return {"contrastive_loss": loss} if output_dict else loss
@@ -249,7 +294,9 @@ class SigLipLoss(_OpenClipSettings):
     bias :math:`b` (``logit_bias=``) per call, features taken as given. Under
     ``world_size > 1`` this rank's :math:`B` images meet the texts of every rank
     (:math:`N` in all, gathered once whatever ``dist_impl`` says; uneven batch sizes
-    allowed); the value and the gradients are open_clip's for each ``dist_impl``.
+    allowed); the value and the gradients are open_clip's for each ``dist_impl``. On
+    uneven shards each rank's value is open_clip's convention, the mean over this rank's
+    rows, and the gradients stay those of the global-batch loss (see :class:`ClipLoss`).
 
     Args:
         cache_labels: accepted for open_clip's signature; no label matrix is built here.
@@ -290,7 +337,7 @@ class SigLipLoss(_OpenClipSettings):
         validate_args: bool | None = None,
     ) -> None:
         super().__init__()
-        self._init_settings(cache_labels, rank, world_size, svr)
+        self._init_settings(cache_labels, rank, world_size, svr, validate_args)
         self.dist_impl = dist_impl or "bidir"
         _checks.check_choice(self.dist_impl, "dist_impl", DIST_IMPLS)
         self._repr = f"dist_impl={self.dist_impl!r}, "
@@ -327,6 +374,8 @@ class SigLipLoss(_OpenClipSettings):
         self._check_world()
         bias = {} if logit_bias is None else {"logit_bias": logit_bias}
         loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale, **bias)
+        if self.gather:
+            loss = self._rank_mean(loss, image_features)
         return {"contrastive_loss": loss} if output_dict else loss
 
 
