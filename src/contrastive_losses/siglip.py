@@ -31,6 +31,7 @@ from ._common import (
     _reduce,
     _refuse_trainable,
     _scalar_repr,
+    _tile_width,
 )
 from ._kernels import _TiledSigmoid
 from .distributed import resolve_gather, validate_together
@@ -166,18 +167,22 @@ def siglip(
         )
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
-    if chunk_size is None:
-        per_row = _dense_rows(a, t_all, scale, bias, offset, ids, ids_all)
+    chunk = _tile_width(chunk_size, t_all.shape[0])
+    if chunk is None:  # reduced whole (one reduction) unless the rows are asked for
+        pairs = _dense_pair_losses(a, t_all, scale, bias, offset, ids, ids_all)
+        per_row = pairs.sum(dim=1) if reduction == "none" else pairs
     else:
         s_t, b_t = (torch.as_tensor(v, dtype=a.dtype, device=a.device) for v in (scale, bias))
-        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, ids_all, chunk_size)
+        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, ids_all, chunk)
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
+    if not return_terms:
+        return loss
     terms = {"scale": torch.as_tensor(scale), "bias": torch.as_tensor(bias)}
     return _finish(loss, terms, return_terms)
 
 
-def _dense_rows(
+def _dense_pair_losses(
     a: Tensor,
     t_all: Tensor,
     scale: float | Tensor,
@@ -186,16 +191,17 @@ def _dense_rows(
     ids: Tensor | None,
     ids_all: Tensor | None,
 ) -> Tensor:
-    """Per-row losses ``(b,)`` from the ``(b, N)`` logits, with one ``(b, N)`` buffer for
-    them: the scale multiplies the ``(b, D)`` side, the bias and the positives' sign flip
-    are in place, and ``softplus(-z l)`` (= ``-logsigmoid(z l)``) needs no sign matrix."""
-    logits = (a * scale) @ t_all.T  # (b, N)
-    logits = logits.add_(bias)
+    """The pairs' losses ``(b, N)`` from the ``(b, N)`` logits, in one buffer: the scale
+    multiplies the ``(b, D)`` side, the bias is added by the GEMM (``addmm``), the
+    positives' sign flip is in place, and ``softplus(-z l)`` (= ``-logsigmoid(z l)``)
+    needs no sign matrix."""
+    b_t = torch.as_tensor(bias, dtype=a.dtype, device=a.device)
+    logits = torch.addmm(b_t, a * scale, t_all.T)  # (b, N)
     if ids is None:
         logits.diagonal(offset=offset).neg_()
     else:
         logits = torch.where(ids[:, None] == ids_all[None, :], -logits, logits)  # type: ignore[index]
-    return F.softplus(logits).sum(dim=1)
+    return F.softplus(logits)
 
 
 class SigLIPLoss(_LossSettings):
