@@ -142,7 +142,7 @@ def _embeddings(
 def _host_float(value: float | Tensor) -> float:
     """A number or a 0-d tensor's value as a float, read without its graph (a learnable
     scale requires grad; reading it must not warn or build anything)."""
-    return float(value.detach()) if isinstance(value, Tensor) else float(value)
+    return float(value.detach().item()) if isinstance(value, Tensor) else float(value)
 
 
 def _logit_range(
