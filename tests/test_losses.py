@@ -491,3 +491,31 @@ def test_normalize_false_mean_fast_path_equals_the_per_sample_path(gen):
         g_fast = torch.autograd.grad(fast, leaves)
         g_rows = torch.autograd.grad(rows.mean(), leaves)
         torch.testing.assert_close(g_fast, g_rows, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_siglip_sign_flip_as_product_equals_the_in_place_flip(gen, monkeypatch, offset):
+    """Up to _SIGN_PRODUCT_MAX pairs SigLIP's dense path flips the positives by a +-1
+    product, above it in place: the same values and gradients, bit for bit (this rank's
+    rows against every rank's columns from ``offset``, as under gather)."""
+    import contrastive_losses.siglip as S
+
+    a = torch.randn(3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(4.0, dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
+    weights = torch.linspace(0.5, 1.5, 21, dtype=torch.float64).reshape(3, 7)
+
+    def value_and_grads():
+        pairs = S._dense_pair_losses(a, t, s, b, offset, None, None)
+        return pairs.detach(), torch.autograd.grad((pairs * weights).sum(), (a, t, s, b))
+
+    product = value_and_grads()
+    monkeypatch.setattr(S, "_SIGN_PRODUCT_MAX", 0)
+    in_place = value_and_grads()
+    torch.testing.assert_close(product, in_place, rtol=0, atol=0)
+    flipped = torch.zeros(3, 7, dtype=torch.bool)
+    flipped.diagonal(offset).fill_(True)
+    logits = (a * s).detach() @ t.detach().T + b.detach()
+    want = F.softplus(torch.where(flipped, -logits, logits))
+    torch.testing.assert_close(product[0], want, rtol=1e-14, atol=0)
