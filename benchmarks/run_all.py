@@ -111,6 +111,15 @@ SPECS: dict[str, list[RowsSpec | MarkdownSpec]] = {
             ["time ratio to dense", "cpu ratio to dense"],
         ),
     ],
+    "open_clip": [
+        MarkdownSpec(
+            key="table_markdown",
+            title="open_clip drop-ins' loss call vs open_clip's own (fwd+bwd, one thread)",
+            labels=["loss", "B", "ours"],
+            ratios=["cpu ratio to open_clip", "wall ratio", "cpu ratio to dense"],
+            extras=["target", ""],
+        )
+    ],
     "svr": [
         RowsSpec(
             "rows",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import random
 import statistics
 import time
 import weakref
@@ -47,6 +48,7 @@ def interleaved_times(
     max_time: float = math.inf,
     warmup: float = 0.0,
     alternate: bool = False,
+    shuffle: bool = False,
 ) -> dict[str, list[float]]:
     """Wall seconds of every call of each ``fn``, run interleaved round by round.
 
@@ -55,7 +57,9 @@ def interleaved_times(
     than ``repeats`` rounds are done or less than ``min_time`` seconds have passed, but
     stop at ``max_time`` seconds once ``min(3, repeats)`` rounds are done. With
     ``alternate`` every other round runs the ``fns`` in reverse order (A, B, B, A, ...), so
-    neither always runs first.
+    neither always runs first. With ``shuffle`` every round runs them in a new random
+    order (seeded): a call's cost depends on what ran just before it (caches), up to
+    15% for sub-millisecond calls, and alternating keeps each one's neighbours.
     """
     start = time.perf_counter()
     for fn in fns.values():  # allocator and kernel caches
@@ -65,6 +69,7 @@ def interleaved_times(
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     items = list(fns.items())
+    rng = random.Random(0)
     start = time.perf_counter()
     rounds = 0
     while True:
@@ -74,12 +79,37 @@ def interleaved_times(
         if rounds >= repeats and elapsed >= min_time:
             break
         order = items[::-1] if alternate and rounds % 2 else items
+        if shuffle:
+            order = rng.sample(items, len(items))
         for name, fn in order:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
         rounds += 1
     return times
+
+
+def interleaved_wall_and_cpu(
+    fns: dict[str, Callable[[], object]], repeats: int, *, warmup: float = 0.0
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """:func:`interleaved_times` (a random order each round) with each call's thread CPU time
+    beside its wall time: ``(wall, cpu)`` seconds per timed call, round by round. On a
+    shared machine the CPU time leaves out the time the thread waited for a core, so
+    its ratios are far less noisy; the two agree on a quiet machine (one thread)."""
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+
+    def timed(name: str, fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            c0 = time.thread_time()
+            fn()
+            cpu[name].append(time.thread_time() - c0)
+
+        return run
+
+    wall = interleaved_times(
+        {name: timed(name, fn) for name, fn in fns.items()}, repeats, warmup=warmup, shuffle=True
+    )
+    return wall, {name: cpu[name][-len(ts) :] for name, ts in wall.items()}  # no warm-up
 
 
 def interleaved_medians(

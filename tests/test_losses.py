@@ -8,6 +8,7 @@ import math
 import pytest
 import reference as ref
 import torch
+import torch.nn.functional as F
 from helpers import F64, randn, random_mask
 from hypothesis import given
 from hypothesis import strategies as st
@@ -454,3 +455,67 @@ def test_kcl_fused_normalisation_equals_plain_path(gen, masked):
     plain.backward()
     torch.testing.assert_close(a1.grad, a2.grad)
     torch.testing.assert_close(t1.grad, t2.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("which", ["audio", "text"])
+@pytest.mark.parametrize("loss", ["info_nce", "siglip"])
+def test_normalize_false_non_finite_inputs_are_named(gen, loss, which, bad, dtype):
+    """normalize=False: the logits' bound (one norm per tensor) also refuses NaN/Inf, by
+    name and count as check_finite does (it replaced a separate finiteness pass)."""
+    a = F.normalize(torch.randn(6, 8, generator=gen), dim=-1).to(dtype)
+    t = F.normalize(torch.randn(6, 8, generator=gen), dim=-1).to(dtype)
+    (a if which == "audio" else t)[2, 3] = bad
+    fn = CF.info_nce if loss == "info_nce" else CF.siglip
+    for chunk_size in (None, 2):
+        with pytest.raises(ValueError, match=f"^{which}: contains 1 NaN/Inf"):
+            fn(a, t, normalize=False, chunk_size=chunk_size)
+    (a if which == "audio" else t)[2, 3] = 0.5  # finite again: no error
+    assert torch.isfinite(fn(a, t, normalize=False))
+
+
+def test_normalize_false_mean_fast_path_equals_the_per_sample_path(gen):
+    """info_nce's one-process dense mean (two fused cross-entropy means) equals the mean of
+    its per-sample losses, value, terms and gradients (float64)."""
+    a = torch.randn(9, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(9, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+    for kwargs in ({"temperature": 0.3}, {"logit_scale": s}):
+        fast, terms = CF.info_nce(a, t, return_terms=True, **kwargs)
+        rows = CF.info_nce(a, t, reduction="none", **kwargs)
+        _, plain_terms = CF.info_nce(a, t, reduction="none", return_terms=True, **kwargs)
+        torch.testing.assert_close(fast, rows.mean(), rtol=1e-13, atol=0)
+        torch.testing.assert_close(terms, plain_terms, rtol=1e-13, atol=0)
+        leaves = (a, t, s) if "logit_scale" in kwargs else (a, t)
+        g_fast = torch.autograd.grad(fast, leaves)
+        g_rows = torch.autograd.grad(rows.mean(), leaves)
+        torch.testing.assert_close(g_fast, g_rows, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_siglip_sign_flip_as_product_equals_the_in_place_flip(gen, monkeypatch, offset):
+    """Up to _SIGN_PRODUCT_MAX pairs SigLIP's dense path flips the positives by a +-1
+    product, above it in place: the same values and gradients, bit for bit (this rank's
+    rows against every rank's columns from ``offset``, as under gather)."""
+    import contrastive_losses.siglip as S
+
+    a = torch.randn(3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(4.0, dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
+    weights = torch.linspace(0.5, 1.5, 21, dtype=torch.float64).reshape(3, 7)
+
+    def value_and_grads():
+        pairs = S._dense_pair_losses(a, t, s, b, offset, None, None)
+        return pairs.detach(), torch.autograd.grad((pairs * weights).sum(), (a, t, s, b))
+
+    product = value_and_grads()
+    monkeypatch.setattr(S, "_SIGN_PRODUCT_MAX", 0)
+    in_place = value_and_grads()
+    torch.testing.assert_close(product, in_place, rtol=0, atol=0)
+    flipped = torch.zeros(3, 7, dtype=torch.bool)
+    flipped.diagonal(offset).fill_(True)
+    logits = (a * s).detach() @ t.detach().T + b.detach()
+    want = F.softplus(torch.where(flipped, -logits, logits))
+    torch.testing.assert_close(product[0], want, rtol=1e-14, atol=0)

@@ -293,6 +293,55 @@ def test_tiled_sigmoid_gradcheck(ids):
     )
 
 
+@pytest.fixture
+def tiled_calls(monkeypatch):
+    """Records every call of the tiled Functions (and runs it)."""
+    calls: list[str] = []
+    for cls in (_TiledCrossEntropy, _TiledSigmoid):
+
+        def apply(*args, _apply=cls.apply, _name=cls.__name__):
+            calls.append(_name)
+            return _apply(*args)
+
+        monkeypatch.setattr(cls, "apply", staticmethod(apply))
+    return calls
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("name", ["info_nce", "info_nce_ids", "siglip", "siglip_ids", "cacl"])
+def test_one_tile_runs_the_dense_path(name, reduction, tiled_calls):
+    """chunk_size >= B: one tile covers the batch, and the call runs the dense path (the
+    tile loop cost 2-3x it at B = 32, issue 28): the dense values and gradients, bit for
+    bit, and no tiled Function is called; one column fewer (B - 1) does call it."""
+    dense = _run(name, None, reduction)
+    for chunk in (B, B + 13):
+        torch.testing.assert_close(_run(name, chunk, reduction), dense, rtol=0, atol=0)
+    assert tiled_calls == []
+    _assert_same(dense, _run(name, B - 1, reduction))
+    assert tiled_calls
+
+
+@pytest.mark.parametrize("siglip", [False, True])
+def test_open_clip_drop_ins_with_one_tile_run_the_dense_path(siglip, tiled_calls):
+    """The open_clip drop-ins' ``chunk_size`` at or above the batch: their dense call."""
+    from contrastive_losses.integrations.open_clip import ClipLoss, SigLipLoss
+
+    cls = SigLipLoss if siglip else ClipLoss
+    a, t, _, _ = _data(1)
+    scale = torch.tensor(8.0, dtype=F64, requires_grad=True)
+    bias = torch.tensor(-3.0, dtype=F64, requires_grad=True)
+
+    def value_and_grads(loss_fn):
+        loss = loss_fn(a, t[:, 0], scale, bias)
+        return loss.detach(), torch.autograd.grad(loss, (a, t, scale), allow_unused=True)
+
+    dense = value_and_grads(cls())
+    torch.testing.assert_close(value_and_grads(cls(chunk_size=B)), dense, rtol=0, atol=0)
+    assert tiled_calls == []
+    value_and_grads(cls(chunk_size=B - 1))
+    assert tiled_calls
+
+
 def test_no_tile_is_kept_for_backward():
     """What autograd keeps between forward and backward is O(B*D + B), not a tile: the
     tiled loss saves the inputs and row/column statistics only (open_clip's chunked

@@ -143,6 +143,38 @@ def exact_row_norms(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return norms.to(dtype or x.dtype)
 
 
+# [sqrt(tiny), sqrt(max)] of the dtype a row norm is summed in: no square that matters
+# under- or overflows there (float16/bfloat16 rows are summed in float32).
+_EXACT_NORMS = {
+    dtype: (torch.finfo(dtype).tiny ** 0.5, torch.finfo(dtype).max ** 0.5)
+    for dtype in (torch.float32, torch.float64)
+}
+
+
+def peak_row_norm(x: Tensor, name: str) -> float:
+    """The largest L2 norm of ``x``'s rows (last dim), read to the host, with the NaN/Inf
+    check of :func:`check_finite` on the way (a NaN or Inf entry makes its row's norm NaN
+    or Inf): one reduction and one host read where that norm lies in
+    ``[sqrt(tiny), sqrt(max)]`` of the float32 (float64 for float64 ``x``) it is summed
+    in, where no square that matters under- or overflows; outside it :func:`check_finite`
+    and :func:`exact_row_norms`. 0 for an empty ``x``. ``torch.isfinite(x).all()`` alone
+    cost 4x this at ``(32, 512)`` on CPU."""
+    check_materialised(x, name)
+    if x.numel() == 0:
+        return 0.0
+    if x.dtype in _EXACT_NORMS:
+        lo, hi = _EXACT_NORMS[x.dtype]
+        peak = float(torch.linalg.vector_norm(x.detach(), dim=-1).max().item())
+    else:  # float16, bfloat16: the squares in float32
+        lo, hi = _EXACT_NORMS[torch.float32]
+        norms = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
+        peak = float(norms.max().item())
+    if lo <= peak <= hi:  # False for NaN
+        return peak
+    check_finite(x, name)
+    return float(exact_row_norms(x, torch.float64).max().item())
+
+
 def peak_scaled_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """``x``'s rows (last dim) divided by their largest magnitude, and that magnitude
     ``(..., 1)`` (1 for all-zero rows): entries in ``[-1, 1]`` whose squares and products

@@ -217,7 +217,7 @@ def _embeddings(
 def _host_float(value: float | Tensor) -> float:
     """A number or a 0-d tensor's value as a float, read without its graph (a learnable
     scale requires grad; reading it must not warn or build anything)."""
-    return float(value.detach()) if isinstance(value, Tensor) else float(value)
+    return float(value.detach().item()) if isinstance(value, Tensor) else float(value)
 
 
 def _logit_range(
@@ -236,12 +236,15 @@ def _logit_range(
     (Cauchy-Schwarz; ``radius`` lengthens ``x``'s rows, SVR's support vectors) must stay
     below a quarter of the dtype's max, where the log-sum-exp minus the positive, up to
     twice a logit, is still finite. Beyond it the dense and tiled paths gave different
-    wrong values (float16 rows of 65504: NaN dense, 4096 and 3840 tiled; true log 4)."""
+    wrong values (float16 rows of 65504: NaN dense, 4096 and 3840 tiled; true log 4).
+    The largest norms (:func:`_checks.peak_row_norm`) also refuse NaN/Inf entries, named
+    as :func:`_checks.check_finite` names them: :func:`_pair_and_ids` leaves that check
+    to this function with ``normalize=False``."""
     if normalize or not validate:
         return
     for x, x_name, y, y_name in pairs:
-        hi = _host_float(_checks.exact_row_norms(x, torch.float64).amax()) + abs(radius)
-        hi *= _host_float(_checks.exact_row_norms(y, torch.float64).amax())
+        hi = _checks.peak_row_norm(x, x_name) + abs(radius)
+        hi *= _checks.peak_row_norm(y, y_name)
         hi *= _host_float(scale) / _host_float(temperature)
         hi += abs(_host_float(shift))
         limit = torch.finfo(x.dtype).max / 4
@@ -268,9 +271,15 @@ def _pair_and_ids(
     min_batch: int,
     validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Validated (and normalised) ``(B, D)`` audio and text, and optional ``(B,)`` ids."""
-    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch, validate)
-    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, validate)
+    """Validated (and normalised) ``(B, D)`` audio and text, and optional ``(B,)`` ids.
+
+    With ``normalize=False`` only their static checks run here: the callers
+    (:func:`info_nce`, :func:`siglip`) run :func:`_logit_range` on the pair next, whose
+    one reduction per tensor refuses NaN/Inf as well as logits that overflow (the norms
+    and the finiteness checked apart cost 4 reductions and 4 host reads)."""
+    values = validate and normalize  # normalize=False: the values in _logit_range
+    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch, values)
+    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, values)
     _check_pair(a, "audio", t, "text")
     if ids is not None:
         ids = _checks.check_ids(ids, "ids", a.shape[0], a)
@@ -310,7 +319,9 @@ def _reduce(per_sample: Tensor, reduction: str, count: Tensor | int, batch: _Bat
     """Reduce per-sample losses; ``count`` is the global number of samples for "mean"."""
     if reduction == "none":
         return per_sample
-    total = per_sample.sum() * batch.world
+    total = per_sample.sum()
+    if batch.world != 1:  # one process: no op (and no autograd node) for an exact * 1
+        total = total * batch.world
     if reduction == "sum":
         return total
     return total / count
@@ -327,6 +338,26 @@ def _multi_positive_ce(logits: Tensor, positives: Tensor) -> Tensor:
     return -(log_prob * pos).sum(dim=1) / pos.sum(dim=1)
 
 
+def _tile_width(chunk_size: int | None, columns: int) -> int | None:
+    """The column tile of a call with ``chunk_size`` over ``columns`` columns, ``None``
+    for the dense path: no ``chunk_size``, or one tile covers every column. The tiled
+    Functions would then compute the dense path's statistics at the cost of their tile
+    loop (2-3x the dense path at ``B = 32``); the values and gradients are the same to
+    rounding."""
+    return chunk_size if chunk_size is not None and chunk_size < columns else None
+
+
+def _info_nce_means(a: Tensor, t: Tensor, scale: float | Tensor) -> tuple[Tensor, Tensor]:
+    """The mean a->t and t->a cross-entropies of one process's ``(B, D)`` batch without
+    ids, dense: :func:`_info_nce_rows` reduced by ``"mean"``, in two fused
+    ``F.cross_entropy`` calls (open_clip's ops) instead of per-sample losses and five
+    reductions: at ``B = 32`` those cost a quarter of the loss's forward and backward."""
+    a = a * scale  # the (B, D) side, not the (B, B) logits; as in _info_nce_rows
+    logits = a @ t.T  # (B, B)
+    target = torch.arange(a.shape[0], device=a.device)
+    return F.cross_entropy(logits, target), F.cross_entropy(logits.T, target)
+
+
 def _info_nce_rows(
     a: Tensor,
     t: Tensor,
@@ -337,15 +368,18 @@ def _info_nce_rows(
     validate: bool = True,
 ) -> tuple[Tensor, Tensor, _Batch]:
     """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each, of
-    the logits ``scale * a @ t.T`` (:func:`_resolve_scale`)."""
+    the logits ``scale * a @ t.T`` (:func:`_resolve_scale`); tiled when ``chunk_size`` is
+    below the global batch (:func:`_tile_width`)."""
     b = a.shape[0]
     # Scale the (b, D) side, not the (b, N) logits, by a multiplication in a's dtype, as
     # open_clip's logit_scale * x @ y.T: a half-precision scale with float32 features
     # is taken exactly, and its gradient is a sum of products (a reciprocal's gradient,
     # -g/s**2, overflowed for tiny scales and for float16 features of norm 30).
     a = a * scale
-    if chunk_size is not None:
-        return _tiled_info_nce_rows(a, t, ids, gather, chunk_size, validate)
+    t_all, offset = _gather(t, gather, validate)  # (N, D)
+    chunk = _tile_width(chunk_size, t_all.shape[0])
+    if chunk is not None:
+        return _tiled_info_nce_rows(a, t_all, offset, ids, gather, chunk, validate)
     if not gather:
         logits = a @ t.T  # (B, B)
         if ids is None:
@@ -358,8 +392,7 @@ def _info_nce_rows(
             t2a = _multi_positive_ce(logits.T, same)
         return a2t, t2a, _batch(0, b, False)
 
-    a_all, offset = _gather(a, True, validate)  # (N, D)
-    t_all, _ = _gather(t, True, validate)
+    a_all, _ = _gather(a, True, validate)  # (N, D)
     logits_a2t = a @ t_all.T  # (b, N)
     logits_t2a = t @ a_all.T  # (b, N)
     if ids is None:
@@ -374,13 +407,19 @@ def _info_nce_rows(
 
 
 def _tiled_info_nce_rows(
-    a: Tensor, t: Tensor, ids: Tensor | None, gather: bool, chunk_size: int, validate: bool
+    a: Tensor,
+    t_all: Tensor,
+    offset: int,
+    ids: Tensor | None,
+    gather: bool,
+    chunk_size: int,
+    validate: bool,
 ) -> tuple[Tensor, Tensor, _Batch]:
     """:func:`_info_nce_rows` over column tiles: this rank's audio rows against every
-    rank's text, the text columns' log-sum-exp completed across ranks in the kernel, so
-    only the text is gathered and no ``(b, N)`` logits exist."""
+    rank's text ``t_all`` (gathered, this rank's from ``offset``), the text columns'
+    log-sum-exp completed across ranks in the kernel, so only the text is gathered and no
+    ``(b, N)`` logits exist."""
     b = a.shape[0]
-    t_all, offset = _gather(t, gather, validate)  # (N, D)
     col_ids = None if ids is None else _gather_no_grad(ids, gather, validate)
     a2t, t2a = _TiledCrossEntropy.apply(
         a, t_all[None], offset, ids, col_ids, None, None, chunk_size, (offset, offset + b), gather

@@ -15,6 +15,7 @@ from ._common import (
     ContrastivePair,
     Terms,
     _finish,
+    _info_nce_means,
     _info_nce_rows,
     _logit_range,
     _pair_and_ids,
@@ -22,6 +23,7 @@ from ._common import (
     _resolve_scale,
     _scale_setting,
     _TemperatureMixin,
+    _tile_width,
 )
 from .distributed import counted_call, resolve_gather, validate_together
 
@@ -106,8 +108,15 @@ def info_nce(
             normalize=normalize,
             ids_given=ids is not None,
         )
+    if reduction == "mean" and ids is None and not enabled:
+        if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
+            mean_a2t, mean_t2a = _info_nce_means(a, t, scale)
+            terms = {"loss_a2t": mean_a2t, "loss_t2a": mean_t2a}
+            return _finish((mean_a2t + mean_t2a) / 2, terms, return_terms)
     a2t, t2a, batch = _info_nce_rows(a, t, scale, ids, enabled, chunk_size, validate)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
+    if not return_terms:  # the terms' reductions cost as much as the loss's at small B
+        return loss
     terms = {
         "loss_a2t": _reduce(a2t, "mean", batch.n_global, batch),
         "loss_t2a": _reduce(t2a, "mean", batch.n_global, batch),
