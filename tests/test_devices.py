@@ -107,9 +107,13 @@ def test_cuda_equals_cpu(name: str, chunk: int | None) -> None:
         pytest.skip("ASKLoss has no chunk_size (its Sinkhorn plan is B x B by definition)")
     cpu = _run(name, chunk, torch.device("cpu"), torch.float64)
     gpu = _run(name, chunk, torch.device("cuda"), torch.float64)
-    torch.testing.assert_close(gpu[0], cpu[0], rtol=1e-10, atol=1e-12)
+    # ASK's 50 Sinkhorn iterations (epsilon 0.05: exp(s / 0.05)) amplify the other
+    # summation order of the GPU: on an H200 the loss differed by 1.2e-10 relative and
+    # the gradients by 6.3e-10 absolute (1.4e-6 relative on their smallest entries).
+    rtol, atol = (1e-9, 1e-12) if name != "ask" else (1e-5, 1e-8)
+    torch.testing.assert_close(gpu[0], cpu[0], rtol=rtol, atol=atol)
     for g_gpu, g_cpu in zip(gpu[1], cpu[1], strict=True):
-        torch.testing.assert_close(g_gpu, g_cpu, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(g_gpu, g_cpu, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -612,7 +612,8 @@ class _TemperatureMixin(_LossSettings):
         a fixed one in the buffer's dtype and on its device)."""
         if not self.learnable_temperature:
             buffer = self.log_logit_scale
-            return torch.tensor(self._fixed_value(), dtype=buffer.dtype, device=buffer.device)
+            # A fill, not torch.tensor(value, device=...): no host-to-device copy (a sync).
+            return buffer.new_full((), self._fixed_value())
         log_bound = math.log(self.max_logit_scale)
         return 1.0 / _UpperClamp.apply(self.log_logit_scale, log_bound).exp()
 

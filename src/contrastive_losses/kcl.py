@@ -150,8 +150,9 @@ def kcl(
         scale = _resolve_scale(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
+        # The raw audio's dtype: under CUDA autocast the norms (hence ``a``) are float32.
         t_raw, text_norms, m, moderate = _text_and_mask(
-            a, text, mask, normalize, v.min_batch, validate
+            audio, text, mask, normalize, v.min_batch, validate
         )
         _logit_range([(a, "audio", t_raw, "text")], normalize, validate, scale=scale)
         v.batch = a.shape[0]
