@@ -571,6 +571,41 @@ def _refuse_base_settings(init: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
+def _check_regularizer_settings(
+    base: object,
+    direction: str,
+    alpha: float,
+    beta: float,
+    constraint: object,
+    radius_init: float,
+    temperature: float | None,
+    validate_args: bool | None,
+) -> None:
+    """The argument checks of :class:`SupportVectorRegularizer`'s ``__init__`` (its radius
+    is checked where it is stored)."""
+    _checks.resolve_validate(validate_args)  # the type
+    if not isinstance(base, nn.Module) or not callable(getattr(base, "contrastive_pairs", None)):
+        raise TypeError(
+            "base: expected a loss Module exposing contrastive_pairs(...) (InfoNCELoss, "
+            f"SigLIPLoss, KCLLoss, CACLLoss), got {type(base).__name__}"
+        )
+    if temperature is None and not hasattr(base, "temperature"):
+        raise TypeError(
+            f"base: {type(base).__name__} has no temperature property; pass temperature="
+        )
+    _refuse_trainable(temperature, "temperature", "learnable_temperature=True on the base")
+    if temperature is not None:
+        _temperature(temperature, stacklevel=6)  # + __init__ and its wrapper
+    _check_base_reduction(base)
+    _checks.check_choice(direction, "direction", DIRECTIONS)
+    _check_weight(alpha, "alpha")
+    _check_weight(beta, "beta")
+    _checks.check_non_negative(radius_init, "radius_init")
+    check_radius(radius_init, "radius_init")
+    if constraint is not None and not isinstance(constraint, bool):
+        raise TypeError(f"constraint: expected None, True or False, got {constraint!r}")
+
+
 class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
     r"""SupCLAP's support vector regularisation around any loss of this library.
 
@@ -704,29 +739,9 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         validate_args: bool | None = None,
     ) -> None:
         super().__init__()
-        _checks.resolve_validate(validate_args)  # the type
-        if not isinstance(base, nn.Module) or not callable(
-            getattr(base, "contrastive_pairs", None)
-        ):
-            raise TypeError(
-                "base: expected a loss Module exposing contrastive_pairs(...) (InfoNCELoss, "
-                f"SigLIPLoss, KCLLoss, CACLLoss), got {type(base).__name__}"
-            )
-        if temperature is None and not hasattr(base, "temperature"):
-            raise TypeError(
-                f"base: {type(base).__name__} has no temperature property; pass temperature="
-            )
-        _refuse_trainable(temperature, "temperature", "learnable_temperature=True on the base")
-        if temperature is not None:
-            _temperature(temperature, stacklevel=5)  # + the __init__ wrapper
-        _check_base_reduction(base)
-        _checks.check_choice(direction, "direction", DIRECTIONS)
-        _check_weight(alpha, "alpha")
-        _check_weight(beta, "beta")
-        _checks.check_non_negative(radius_init, "radius_init")
-        check_radius(radius_init, "radius_init")
-        if constraint is not None and not isinstance(constraint, bool):
-            raise TypeError(f"constraint: expected None, True or False, got {constraint!r}")
+        _check_regularizer_settings(
+            base, direction, alpha, beta, constraint, radius_init, temperature, validate_args
+        )
         self.base = base
         self.direction = direction
         self.alpha = float(alpha)
