@@ -231,7 +231,7 @@ StepResult = Tensor | tuple[Tensor, Callable[[], None]]
 
 
 def train(
-    params: Sequence[nn.Parameter],
+    params: Sequence[nn.Parameter] | Sequence[dict[str, Any]],
     n: int,
     *,
     epochs: int,
@@ -244,16 +244,17 @@ def train(
     batches: Callable[[torch.Generator], Sequence[Tensor]] | None = None,
     schedule: Callable[[float], float] | None = None,
 ) -> None:
-    """Adam over ``params``; each epoch visits the ``n`` training items in a seeded random
-    order, in batches of ``batch`` (a last batch of one item is dropped). ``batches``, if
-    given, makes each epoch's batches instead (called with the seeded generator).
-    ``schedule``, if given, multiplies the learning rate at each step by
-    ``schedule(fraction of training done)`` (the fraction in ``[0, 1)``).
+    """Adam over ``params`` (or Adam's parameter-group dicts); each epoch visits the ``n``
+    training items in a seeded random order, in batches of ``batch`` (a last batch of one
+    item is dropped). ``batches``, if given, makes each epoch's batches instead (called
+    with the seeded generator). ``schedule``, if given, multiplies every group's learning
+    rate at each step by ``schedule(fraction of training done)``.
 
     ``step(idx, epoch)`` returns the loss of the batch ``idx``, or ``(loss, after)`` with
     ``after()`` called right after the optimiser step (for before/after measurements).
     """
     opt = torch.optim.Adam(list(params), lr=lr)
+    initial = [group["lr"] for group in opt.param_groups]
     order = generator(seed)
     steps_per_epoch = max(1, n // batch)
     done = 0
@@ -267,8 +268,9 @@ def train(
             if len(idx) < 2:
                 continue
             if schedule is not None:
-                for group in opt.param_groups:
-                    group["lr"] = lr * schedule(min(done / (epochs * steps_per_epoch), 1.0))
+                factor = schedule(min(done / (epochs * steps_per_epoch), 1.0))
+                for group, start in zip(opt.param_groups, initial, strict=True):
+                    group["lr"] = start * factor
             done += 1
             out = step(idx, epoch)
             loss, after = out if isinstance(out, tuple) else (out, None)

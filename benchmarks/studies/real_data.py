@@ -189,16 +189,21 @@ def read_wave(path: str) -> np.ndarray:
     return resample_poly(wave, SAMPLE_RATE // g, sr // g).astype(np.float32)
 
 
+def audio_cache_path(clips: Sequence[Clip], cache: Path, frames: int = FRAMES) -> Path:
+    """The cache file of ``clips``' audio features: a key of the settings and the ids."""
+    key = hashlib.sha256(
+        json.dumps([SAMPLE_RATE, N_FFT, HOP, MELS, FMIN, FMAX, TRIM_DB, frames]).encode()
+        + "\n".join(c.audio_id for c in clips).encode()
+    ).hexdigest()[:16]
+    return cache / f"tuxpaint-audio-{key}.pt"
+
+
 def audio_features(
     clips: Sequence[Clip], cache: Path, frames: int = FRAMES, progress: bool = True
 ) -> tuple[Tensor, Tensor]:
     """``(N, MELS, frames)`` float16 patches and ``(N,)`` log seconds, cached in ``cache``
     under a key of the settings and the clips' ids (computed once)."""
-    key = hashlib.sha256(
-        json.dumps([SAMPLE_RATE, N_FFT, HOP, MELS, FMIN, FMAX, TRIM_DB, frames]).encode()
-        + "\n".join(c.audio_id for c in clips).encode()
-    ).hexdigest()[:16]
-    path = cache / f"tuxpaint-audio-{key}.pt"
+    path = audio_cache_path(clips, cache, frames)
     if path.is_file():
         saved = torch.load(path)
         return saved["audio"], saved["seconds"]

