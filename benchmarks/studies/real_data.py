@@ -58,7 +58,9 @@ class RealData:
     ``audio (N, M, T)`` float16 log-mel patches; ``seconds (N,)`` log trimmed length;
     ``text (n_desc, K, E)`` float16 frozen caption features, ``present (n_desc, K)`` bool
     (False: no caption in that language, a zero row); ``desc (N,)`` the clip's description;
-    ``spoken (N,)`` index into ``spoken_languages``; ``split (N,)`` index into ``SPLITS``.
+    ``spoken (N,)`` index into ``spoken_languages``; ``split (N,)`` index into ``SPLITS``;
+    ``gallery (N,)`` whether a val/test clip is in its split's evaluation gallery (the
+    builder's ``galleries/``: one recording per description group and spoken language).
     """
 
     audio: Tensor
@@ -68,15 +70,14 @@ class RealData:
     desc: Tensor
     spoken: Tensor
     split: Tensor
+    gallery: Tensor  # (N,) bool: the clip is in an evaluation gallery
     languages: list[str]
     spoken_languages: list[str]
     audio_ids: list[str] = field(default_factory=list)
 
     def to(self, device: str | torch.device) -> RealData:
-        moved = {
-            k: getattr(self, k).to(device)
-            for k in ("audio", "seconds", "text", "present", "desc", "spoken", "split")
-        }
+        names = ("audio", "seconds", "text", "present", "desc", "spoken", "split", "gallery")
+        moved = {k: getattr(self, k).to(device) for k in names}
         return RealData(
             **moved,
             languages=self.languages,
@@ -110,11 +111,21 @@ class Clip:
     split: str
     description: str
     captions: dict[str, str]
+    in_gallery: bool = True
 
 
 def read_manifests(folder: Path, languages: Sequence[str] = LANGUAGES) -> list[Clip]:
     """One :class:`Clip` per recording of ``train/val/test.jsonl`` in ``folder`` (file
-    order), with its captions in ``languages``."""
+    order), with its captions in ``languages``. Where ``folder/galleries/`` exists (the
+    builder writes ``<split>_<spoken language>.jsonl``: one recording per description
+    group and voice, so that every caption has exactly one matching clip), only the val and
+    test clips listed there are ``in_gallery``."""
+    listed = {
+        json.loads(line)["audio_id"]
+        for path in sorted((folder / "galleries").glob("*.jsonl"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    }
     clips: dict[str, Clip] = {}
     for split in SPLITS:
         path = folder / f"{split}.jsonl"
@@ -138,6 +149,9 @@ def read_manifests(folder: Path, languages: Sequence[str] = LANGUAGES) -> list[C
                 )
                 if row["language"] in languages:
                     clip.captions[row["language"]] = row["caption"]
+    if listed:
+        for clip in clips.values():
+            clip.in_gallery = clip.split != "train" and clip.audio_id in listed
     return list(clips.values())
 
 
@@ -260,6 +274,7 @@ def build(
         desc=torch.tensor([index[c.description] for c in clips]),
         spoken=torch.tensor([spoken.index(c.spoken) for c in clips]),
         split=torch.tensor([SPLITS.index(c.split) for c in clips]),
+        gallery=torch.tensor([c.in_gallery for c in clips]),
         languages=list(languages),
         spoken_languages=spoken,
         audio_ids=[c.audio_id for c in clips],
@@ -303,6 +318,7 @@ def synthetic(
         desc=desc,
         spoken=torch.arange(clips) % spoken,
         split=desc_split[desc],
+        gallery=torch.ones(clips, dtype=torch.bool),
         languages=[f"lang{k}" for k in range(languages)],
         spoken_languages=[f"spoken{s}" for s in range(spoken)],
     )
