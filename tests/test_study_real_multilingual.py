@@ -30,6 +30,7 @@ def _args(out: Path, render: bool = False) -> argparse.Namespace:
         manifests=None,
         cache=None,
         collect=False,
+        shard="0/1",
     )
 
 
