@@ -95,3 +95,26 @@ def test_mrv_chance_matches_uniform_ranks() -> None:
     ranks = ranks.reshape(400, k, n).double()
     empirical = ranks.var(dim=1, unbiased=False).mean().item()
     assert empirical == pytest.approx(study.chance_mrv(n, k), rel=0.03)
+
+
+def test_results_resume_from_the_cache_and_collect_without_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "MIN_GALLERY", 10)
+    monkeypatch.setattr(study, "BATCH", 32)
+    monkeypatch.setattr(study, "MELS", 4)
+    monkeypatch.setattr(study, "FRAMES", 6)
+    monkeypatch.setattr(study, "DIM", 16)  # the frozen text side is the 16-d features
+    data = real_data.synthetic(seed=2)
+    args = _args(tmp_path / "out")
+    args.methods, args.seeds, args.epochs = "random,cacl", 1, 1
+    partial = tmp_path / "partial.jsonl"
+    first = study.run_all(data, ("random", "cacl"), args, partial)
+    assert len(partial.read_text().splitlines()) == 2
+    with partial.open("a") as f:
+        f.write('{"cut short')  # a torn last line is skipped, not fatal
+    args.collect = True
+    again = study.run_all(data, ("random", "cacl"), args, partial)
+    assert [(r["method"], r["t2a_R@1"]) for r in again] == [
+        (r["method"], r["t2a_R@1"]) for r in first
+    ]
+    args.shard = "1/2"  # the second of two processes would run only the cacl job
+    assert study.jobs(("random", "cacl"), 1, 1)[1::2] == [("cacl", 0)]

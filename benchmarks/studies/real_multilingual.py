@@ -500,11 +500,16 @@ def train_one(method: str, seed: int, epochs: int, data: RealData, device: str) 
 
 # ----------------------------------------------------------------------- all runs
 
-_DATA: RealData | None = None  # the workers' copy (inherited by fork)
+_DATA: RealData | None = None  # each worker's copy, on its device
+
+
+def _init_worker(data: RealData, device: str) -> None:
+    global _DATA
+    torch.set_num_threads(1)
+    _DATA = data.to(device)
 
 
 def _job(method: str, seed: int, epochs: int, device: str) -> dict[str, Any]:
-    torch.set_num_threads(1)
     assert _DATA is not None
     started = time.time()
     out = train_one(method, seed, epochs, _DATA, device)
@@ -535,12 +540,13 @@ def run_all(
 ) -> list[dict[str, Any]]:
     """Every job's result; each is appended to ``partial`` (JSON lines) as it finishes,
     and jobs already there (same method, seed and epochs) are not run again."""
-    global _DATA
-    _DATA = data.to(args.device)
     done: dict[tuple[str, int], dict[str, Any]] = {}
     if partial is not None and partial.is_file():
         for line in partial.read_text().splitlines():
-            r = json.loads(line)
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a killed or concurrent writer
+                continue
             if r["epochs"] == args.epochs * arm(r["method"], len(data.languages)).epochs_factor:
                 done[(r["method"], r["seed"])] = r
     index, count = (int(x) for x in args.shard.split("/"))
@@ -552,14 +558,18 @@ def run_all(
         done[(r["method"], r["seed"])] = r
         if partial is not None:
             partial.parent.mkdir(parents=True, exist_ok=True)
-            with partial.open("a") as f:
-                f.write(json.dumps(r) + "\n")
+            with partial.open("ab", buffering=0) as f:  # one write(2) per line, appended
+                f.write((json.dumps(r) + "\n").encode())
 
-    if args.workers <= 1 or args.device != "cpu":
+    if args.workers <= 1 or not todo:
+        _init_worker(data, args.device)
         for m, s in todo:
             keep(_job(m, s, args.epochs, args.device))
-    else:
-        with ProcessPoolExecutor(args.workers, mp_context=get_context("fork")) as pool:
+    else:  # CUDA needs spawned workers; each moves its copy of the data to the device
+        context = get_context("fork" if args.device == "cpu" else "spawn")
+        with ProcessPoolExecutor(
+            args.workers, mp_context=context, initializer=_init_worker, initargs=(data, args.device)
+        ) as pool:
             futures = [pool.submit(_job, m, s, args.epochs, args.device) for m, s in todo]
             for f in as_completed(futures):
                 keep(f.result())
