@@ -692,6 +692,24 @@ def chance_of(runs: list[dict]) -> dict[str, float]:
     }
 
 
+def not_run(runs: list[dict], setup: dict[str, Any]) -> list[str]:
+    """A paragraph naming the planned (arm, seed) runs absent from ``runs``, if any."""
+    planned = jobs(METHODS, setup["seeds"], setup["xk_seeds"])
+    ran = {(r["method"], r["seed"]) for r in runs}
+    missing: dict[str, list[int]] = {}
+    for m, s in planned:
+        if (m, s) not in ran:
+            missing.setdefault(m, []).append(s)
+    if not missing:
+        return []
+    listed = "; ".join(f"{m} seeds {', '.join(map(str, s))}" for m, s in missing.items())
+    return [
+        f"**Not run** (out of time on the shared CPU): {listed}. The same command with the "
+        "same `--cache` runs only these and adds them (e.g. `--device cuda`).",
+        "",
+    ]
+
+
 def markdown(runs: list[dict], setup: dict[str, Any], seconds: float) -> str:
     methods = tuple(m for m in METHODS if values(runs, m, "t2a_R@1"))
     chance = chance_of(runs)
@@ -702,17 +720,19 @@ def markdown(runs: list[dict], setup: dict[str, Any], seconds: float) -> str:
         f"`benchmarks/studies/real_multilingual.py`: {setup['clips']['train']} training "
         f"recordings minus {setup['heldout_recordings']} held out, {setup['clips']['test']} "
         f"test recordings of {setup['test_descriptions']} unseen descriptions; K = {len(langs)} "
-        f"caption languages; {setup['epochs']} epochs (random_xK: {len(langs)}x, "
-        f"{setup['xk_seeds']} seeds), batch {BATCH}, temperature {TEMPERATURE}, Adam {LR} "
-        f"warm-up + cosine; {setup['seeds']} paired seeds, mean ± sample std. R@1 in %, "
+        f"caption languages; {setup['epochs']} epochs (random_xK: {len(langs)}x), batch "
+        f"{BATCH}, temperature {TEMPERATURE}, Adam {LR} warm-up + cosine; paired seeds "
+        "(the table's seeds column: how many ran), mean ± sample std. R@1 in %, "
         "averaged over caption languages and over the spoken-language galleries "
         f"({', '.join(f'{k} {v}' for k, v in setup['galleries'].items())} test recordings); "
         f"chance T2A R@1 {100 * chance['t2a_R@1']:.2f} %, chance MRV {chance['mrv']:.0f}; "
         f"held-out recordings: one gallery of {setup['heldout_recordings']}, chance "
         f"{100 * chance['heldout_recordings_t2a_R@1']:.2f} %. Last epoch, no checkpoint "
         f"chosen. {seconds / 60:.1f} min wall-clock, {setup['workers']} workers on "
-        f"{setup['device']}.",
+        f"{setup['device']}; the runs' own times add up to "
+        f"{sum(r['seconds'] for r in runs) / 3600:.1f} worker-hours.",
         "",
+        *not_run(runs, setup),
         "## All arms (paired differences: seed by seed against the reference)",
         "",
         main_table(runs, methods, chance),
