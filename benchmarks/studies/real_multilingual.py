@@ -655,7 +655,7 @@ def spoken_table(runs: list[dict], method: str, languages: list[str]) -> str:
             v = common.mean_std([r["spoken_x_caption"][s][lg] for r in mine])[0]
             cells.append(f"**{100 * v:.1f}**" if s == lg else f"{100 * v:.1f}")
         rows.append([s.split("_")[0], *cells])
-    return common.table(["spoken \\ caption", *(lg.split("_")[0] for lg in languages)], rows)
+    return common.table(["spoken ↓ caption →", *(lg.split("_")[0] for lg in languages)], rows)
 
 
 def radius_table(runs: list[dict]) -> str:
@@ -751,11 +751,14 @@ def markdown(runs: list[dict], setup: dict[str, Any], seconds: float) -> str:
     return "\n".join(lines)
 
 
-def plots(runs: list[dict], languages: list[str], out_dir: Path) -> None:
+def plots(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = [m for m in METHODS if values(runs, m, "t2a_R@1")]
+    languages = setup["languages"]
     chance = chance_of(runs)["t2a_R@1"]
+    val_sizes = list(setup.get("val_galleries", {}).values())
+    val_chance = sum(1 / n for n in val_sizes) / len(val_sizes) if val_sizes else math.nan
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2), dpi=80)
     ax = axes[0]
     for i, m in enumerate(methods):
@@ -778,9 +781,13 @@ def plots(runs: list[dict], languages: list[str], out_dir: Path) -> None:
         c = common.curves([{"v": r["curves"]["val_t2a"][:n]} for r in mine], "v")
         x = mine[0]["curves"]["epoch"][:n]
         ax.plot(x, [100 * v for v in c["mean"]], color=COLOURS[m], label=m, marker=".")
-    ax.axhline(1000 * chance, color="tab:red", ls="--", lw=1)
+    ax.axhline(100 * val_chance, color="k", ls=":", lw=1, label="chance (val)")
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("epoch (random_xK: per K epochs)")
-    ax.set_title("validation T2A R@1 (%) during training (mean over seeds)", fontsize=9)
+    ax.set_title(
+        "validation T2A R@1 (%) during training, mean over seeds (smaller galleries)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax = axes[2]
@@ -861,6 +868,7 @@ def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
         "min_gallery": MIN_GALLERY,
         "languages": data.languages,
         "galleries": {k: len(v) for k, v in galleries(data, "test").items()},
+        "val_galleries": {k: len(v) for k, v in galleries(data, "val").items()},
         "clips": {s: len(data.indices(s)) for s in real_data.SPLITS},
         "heldout_recordings": len(held),
         "test_descriptions": int(data.desc[test].unique().numel()),
@@ -899,7 +907,7 @@ def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, A
             seconds = max(r["finished_at"] for r in runs) - min(r["started_at"] for r in runs)
     md = markdown(runs, setup, seconds) + "\n" + PROBES + "\n" + INTERPRETATION
     print(md)
-    plots(runs, setup["languages"], args.out_dir)
+    plots(runs, setup, args.out_dir)
     results = {"chance": chance_of(runs), "runs": runs, "seconds": seconds}
     common.save_study(args, NAME, md, setup, saved, results)
     return {"setup": setup, **results}
