@@ -43,11 +43,21 @@ QUICK_RESULTS = BENCHMARKS / "results" / "quick" / "studies"
 # ----------------------------------------------------------------------- command line
 
 
-def parse_args(doc: str, *, epochs: int, seeds: int, quick_epochs: int = 3) -> argparse.Namespace:
+def parse_args(
+    doc: str,
+    *,
+    epochs: int,
+    seeds: int,
+    quick_epochs: int = 3,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     """``--epochs``, ``--seeds``, ``--quick`` (2 seeds, ``quick_epochs`` epochs, results
     into ``results/quick/studies/``: a check that the script runs), ``--out-dir``,
-    ``--render`` (no training: rewrite the markdown and plots from the saved JSON)."""
+    ``--render`` (no training: rewrite the markdown and plots from the saved JSON);
+    ``extra(parser)`` adds a study's own arguments."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--seeds", type=int, default=seeds, help="seeds 0 .. n-1")
     parser.add_argument("--quick", action="store_true", help="2 seeds, a few epochs")
@@ -221,7 +231,7 @@ StepResult = Tensor | tuple[Tensor, Callable[[], None]]
 
 
 def train(
-    params: Sequence[nn.Parameter],
+    params: Sequence[nn.Parameter] | Sequence[dict[str, Any]],
     n: int,
     *,
     epochs: int,
@@ -232,16 +242,22 @@ def train(
     end_epoch: Callable[[int], None] | None = None,
     lr: float = 1e-3,
     batches: Callable[[torch.Generator], Sequence[Tensor]] | None = None,
+    schedule: Callable[[float], float] | None = None,
 ) -> None:
-    """Adam over ``params``; each epoch visits the ``n`` training items in a seeded random
-    order, in batches of ``batch`` (a last batch of one item is dropped). ``batches``, if
-    given, makes each epoch's batches instead (called with the seeded generator).
+    """Adam over ``params`` (or Adam's parameter-group dicts); each epoch visits the ``n``
+    training items in a seeded random order, in batches of ``batch`` (a last batch of one
+    item is dropped). ``batches``, if given, makes each epoch's batches instead (called
+    with the seeded generator). ``schedule``, if given, multiplies every group's learning
+    rate at each step by ``schedule(fraction of training done)``.
 
     ``step(idx, epoch)`` returns the loss of the batch ``idx``, or ``(loss, after)`` with
     ``after()`` called right after the optimiser step (for before/after measurements).
     """
     opt = torch.optim.Adam(list(params), lr=lr)
+    initial = [group["lr"] for group in opt.param_groups]
     order = generator(seed)
+    steps_per_epoch = max(1, n // batch)
+    done = 0
     for epoch in range(epochs):
         if start_epoch is not None:
             start_epoch(epoch)
@@ -251,6 +267,11 @@ def train(
         for idx in epoch_batches:
             if len(idx) < 2:
                 continue
+            if schedule is not None:
+                factor = schedule(min(done / (epochs * steps_per_epoch), 1.0))
+                for group, start in zip(opt.param_groups, initial, strict=True):
+                    group["lr"] = start * factor
+            done += 1
             out = step(idx, epoch)
             loss, after = out if isinstance(out, tuple) else (out, None)
             opt.zero_grad(set_to_none=True)
