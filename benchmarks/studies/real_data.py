@@ -1,6 +1,6 @@
 """Real data for the studies: Tux Paint's recorded descriptions as compact cached tensors.
 
-Reads the manifests of ``examples/datasets/tuxpaint.py`` (``train/val/test.jsonl``, one row
+Reads the manifests of ``examples/data_builders/tuxpaint.py`` (``train/val/test.jsonl``, one row
 per recording and caption language) and turns them into a :class:`RealData`: per recording a
 fixed-size log-mel patch and its spoken length, per description the frozen text features of
 its captions in ``K`` languages. Both are computed once and cached (float16) under
@@ -131,7 +131,7 @@ def read_manifests(folder: Path, languages: Sequence[str] = LANGUAGES) -> list[C
         path = folder / f"{split}.jsonl"
         if not path.is_file():
             raise FileNotFoundError(
-                f"{path}: no manifest; build them with examples/datasets/tuxpaint.py"
+                f"{path}: no manifest; build them with examples/data_builders/tuxpaint.py"
             )
         with path.open(encoding="utf-8") as f:
             for line in f:

