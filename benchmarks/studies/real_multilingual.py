@@ -728,8 +728,9 @@ def markdown(runs: list[dict], setup: dict[str, Any], seconds: float) -> str:
         f"chance T2A R@1 {100 * chance['t2a_R@1']:.2f} %, chance MRV {chance['mrv']:.0f}; "
         f"held-out recordings: one gallery of {setup['heldout_recordings']}, chance "
         f"{100 * chance['heldout_recordings_t2a_R@1']:.2f} %. Last epoch, no checkpoint "
-        f"chosen. {seconds / 60:.1f} min wall-clock, {setup['workers']} workers on "
-        f"{setup['device']}; the runs' own times add up to "
+        f"chosen. {seconds / 60:.1f} min wall-clock from the first run's start to the last "
+        f"one's end (the last invocation: {setup['workers']} workers on {setup['device']}); "
+        "the runs' own times add up to "
         f"{sum(r['seconds'] for r in runs) / 3600:.1f} worker-hours.",
         "",
         *not_run(runs, setup),
@@ -949,8 +950,9 @@ Written after the run. **How it ran**: on a shared 2-core machine at load 7-13, 
 one: two processes of 3 workers (`--shard 0/2`, `1/2`), the first replaced after its first
 two results by throwaway schedulers that called the same code in a priority order (the
 first random_xK run alone in one process) and appended to the same resumable cache file;
-6-9 runs at a time, 55 min from first start to last result. ASK and ask_swap20 seed 4 and
-the second random_xK seed did not run (the same command adds them). Every run is
+6-9 runs at a time, 55 min from first start to last result. ASK and ask_swap20 seed 4 ran
+afterwards (`--methods ask,ask_swap20 --workers 2`, the same cache, 12 min, with the CI
+on the other core); the second random_xK seed did not run (the same command adds it). Every run is
 deterministic given its arm and seed, so the schedule does not change a number.
 
 **The baseline reaches 6.6x chance, not 10x**: random-language InfoNCE 5.21 ± 0.26 % T2A
@@ -988,9 +990,9 @@ seeds ahead), dynamic -1.94 ± 0.34 (0/5) and its held-out-recording R@1 collaps
 `svr.md`); the dynamic radius runs away to ~10, above `||a - t||` for every anchor, the
 regime the library warns about (`radius_over_distance` 100 %; `beta` 1 would hold it).
 
-**ASK** is level with InfoNCE on clean captions (+0.06 ± 0.55, ahead in 1/4 seeds; its
-MRV is the lowest, 383) and does not rescue swapped captions (-0.11 ± 0.35 against the
-baseline on the same swapped data, 2/4), unlike the synthetic study's large gains: 20 %
+**ASK** is level with InfoNCE on clean captions (+0.10 ± 0.48, ahead in 2/5 seeds; its
+MRV is the lowest, 383) and does not rescue swapped captions (-0.04 ± 0.34 against the
+baseline on the same swapped data, 3/5), unlike the synthetic study's large gains: 20 %
 swapped captions cost the baseline 0.93 points (0/5) and ASK as much. Its bank's
 neighbours are other descriptions' recordings, which on unseen-description retrieval
 carry little the in-batch loss lacks.
