@@ -812,7 +812,9 @@ def plots(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> None:
 
 
 def extra_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--manifests", type=Path, help="folder of examples/data_builders/tuxpaint.py")
+    parser.add_argument(
+        "--manifests", type=Path, help="folder of examples/data_builders/tuxpaint.py"
+    )
     parser.add_argument("--cache", type=Path, help="feature cache folder (outside the repo)")
     parser.add_argument(
         "--text-cache", type=Path, help="e5 feature cache (default: clap_example.e5's own)"
