@@ -293,7 +293,7 @@ def _use_svr(loss: nn.Module, holder: nn.Module | None) -> None:
 
 
 #: The regulariser's radius statistics that open_clip's log shows (not summed).
-RADIUS_STATISTICS = ("radius_mean", "radius_over_distance")
+_RADIUS_STATISTICS = ("radius_mean", "radius_over_distance")
 
 
 class _SvrTerms(nn.Module):
@@ -312,7 +312,7 @@ class _SvrTerms(nn.Module):
         self.terms = {"svr_loss": self.regulariser.alpha * terms["svr"]}
         if self.regulariser.constraint:
             self.terms["svr_constraint_loss"] = self.regulariser.beta * terms["constraint"]
-        self.statistics = {name: terms[name] for name in RADIUS_STATISTICS}
+        self.statistics = {name: terms[name] for name in _RADIUS_STATISTICS}
         return loss
 
 
