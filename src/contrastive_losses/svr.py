@@ -36,7 +36,9 @@ from ._common import (
     _resolve_temperature,
     _scalar_repr,
     _scale_setting,
+    _stamp,
     _temperature,
+    _written_value,
     check_radius,
 )
 from ._kernels import (
@@ -763,6 +765,11 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             check_radius(radius)
             self.radius_mode = "fixed"
             self.register_buffer("radius", torch.tensor(float(radius)))
+            # The value used is the Python float, exact in every dtype; the float32
+            # buffer (as checkpoints hold it) follows it, and a value written into it
+            # (load_state_dict, fill_) is adopted (_fixed_radius).
+            self._radius_value = float(radius)
+            self._radius_stamp = _stamp(self.radius)
         else:
             raise TypeError(
                 f"radius: expected 'static', 'dynamic' or a float, got {type(radius).__name__}"
@@ -777,7 +784,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         print as children."""
         radius = f"radius={self.radius_mode!r}"
         if self.predictor is None:
-            radius += f" ({_scalar_repr(self.radius)})"
+            radius += f" ({_scalar_repr(self._scalar_radius(self.radius))})"
         temperature = "None (the base's)" if self.svr_temperature is None else self.svr_temperature
         return (
             f"{radius}, direction={self.direction!r}, alpha={self.alpha}, beta={self.beta}, "
@@ -901,10 +908,14 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             "radius": self.radius_mode,
             # A fixed radius' value (a buffer) and a static one's (a parameter that DDP
             # keeps equal); a dynamic radius' initial value and the predictor's sizes.
-            "radius value": self.radius if predictor is None else None,
+            "radius value": self._scalar_radius(self.radius) if predictor is None else None,
             "radius_init": None if self.radius_mode == "fixed" else self.radius_init,
             "num_features": None if predictor is None else predictor.num_features,
             "hidden": None if predictor is None else predictor.hidden,
+            # Outside DDP the ranks' predictors drift apart, as a temperature would
+            "predictor checksum": (
+                _checksum(predictor) if predictor is not None and enabled and validate else None
+            ),
             "direction": self.direction,
             "alpha": self.alpha,
             "beta": self.beta,
@@ -931,7 +942,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         sims, pos_sims, dist = _pair_similarities(local, glob, keys, self.direction, enabled)
         row_mask, col_mask = _pair_masks(pairs, b, sims, enabled, validate)
         if self.predictor is None:
-            radius = self.radius.to(sims.dtype)  # ()
+            radius = self._scalar_radius(sims)  # ()
         else:  # SupCLAP's s = cos / tau, detached inside the predictor
             features = self.predictor._features(sims / temperature, offset, col_mask, validate)
             radius = self.predictor._from_features(features)  # (Q, b)
@@ -946,11 +957,31 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
 
     def _detached_temperature(self, logit_scale: Tensor | None = None) -> Tensor | float:
         """The SVR temperature: the override, else ``1/logit_scale`` (the model's), else
-        the base's; detached, so a learnable one learns from the base only."""
+        the base's (a fixed one as the Python float it was given, exact in float64, as the
+        base uses it); detached, so a learnable one learns from the base only."""
         if self.svr_temperature is None and logit_scale is not None:
             return 1.0 / logit_scale.detach()
+        fixed = getattr(self.base, "_fixed_value", None)
+        if self.svr_temperature is None and callable(fixed) and not self.base.learnable_temperature:
+            return cast(float, fixed())
         temperature = self.temperature
         return temperature.detach() if isinstance(temperature, Tensor) else temperature
+
+    def _scalar_radius(self, like: Tensor) -> Tensor:
+        """The static radius (a parameter) in ``like``'s dtype, or the fixed one exact: the
+        Python float it was given (its float32 buffer holds 0.2 as 0.2000000030)."""
+        if self.radius_mode != "fixed":
+            return cast(Tensor, self.radius).to(like.dtype)
+        buffer = cast(Tensor, self.radius)
+        kept = getattr(self, "_radius_value", None)
+        if kept is None:  # pickled before the float was kept
+            kept = self._radius_value = float(buffer)
+            self._radius_stamp = _stamp(buffer)
+        elif not torch.compiler.is_compiling() and _stamp(buffer) != self._radius_stamp:
+            written = _written_value(buffer, kept)
+            self._radius_value = kept = kept if written is None else written
+            self._radius_stamp = _stamp(buffer)
+        return like.new_full((), kept)
 
     def _regularise_tiled(
         self,
@@ -973,7 +1004,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         dist = _distance(x, y_pos)  # (Q, b)
         row_mask, col_mask = _pair_masks(pairs, b, x, enabled, validate)
         if self.predictor is None:
-            radius = self.radius.to(x.dtype)  # ()
+            radius = self._scalar_radius(x)  # ()
         else:  # SupCLAP's s = cos / tau, from the running top-k of every tile
             k = self.predictor.num_features - 1
             parts = _tiled_top_negatives(x, y, k, offset, col_mask, chunk_size)
@@ -992,6 +1023,16 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         return _anchor_means(
             rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
         )
+
+
+def _checksum(predictor: RadiusPredictor) -> Tensor:
+    """A cheap fingerprint of the predictor's weights: their sum, each weighted by its
+    position (a swap of two weights changes it too), in float64 on their device; read
+    once, with the other settings, where the ranks check together."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).double() for p in predictor.parameters()])
+        weights = torch.arange(1, flat.numel() + 1, dtype=flat.dtype, device=flat.device)
+        return (flat * weights).sum() / flat.numel()
 
 
 def _prepare_pairs(
