@@ -765,10 +765,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             check_radius(radius)
             self.radius_mode = "fixed"
             self.register_buffer("radius", torch.tensor(float(radius)))
-            # The value used is the Python float, exact in every dtype; the float32
-            # buffer (as checkpoints hold it) follows it, and a value written into it
-            # (load_state_dict, fill_) is adopted (_fixed_radius).
-            self._radius_value = float(radius)
+            self._radius_value = float(radius)  # used, exact: see _scalar_radius
             self._radius_stamp = _stamp(self.radius)
         else:
             raise TypeError(
@@ -784,7 +781,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         print as children."""
         radius = f"radius={self.radius_mode!r}"
         if self.predictor is None:
-            radius += f" ({_scalar_repr(self._scalar_radius(self.radius))})"
+            radius += f" ({_scalar_repr(_scalar_radius(self, self.radius))})"
         temperature = "None (the base's)" if self.svr_temperature is None else self.svr_temperature
         return (
             f"{radius}, direction={self.direction!r}, alpha={self.alpha}, beta={self.beta}, "
@@ -908,7 +905,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             "radius": self.radius_mode,
             # A fixed radius' value (a buffer) and a static one's (a parameter that DDP
             # keeps equal); a dynamic radius' initial value and the predictor's sizes.
-            "radius value": self._scalar_radius(self.radius) if predictor is None else None,
+            "radius value": _scalar_radius(self, self.radius) if predictor is None else None,
             "radius_init": None if self.radius_mode == "fixed" else self.radius_init,
             "num_features": None if predictor is None else predictor.num_features,
             "hidden": None if predictor is None else predictor.hidden,
@@ -942,7 +939,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         sims, pos_sims, dist = _pair_similarities(local, glob, keys, self.direction, enabled)
         row_mask, col_mask = _pair_masks(pairs, b, sims, enabled, validate)
         if self.predictor is None:
-            radius = self._scalar_radius(sims)  # ()
+            radius = _scalar_radius(self, sims)  # ()
         else:  # SupCLAP's s = cos / tau, detached inside the predictor
             features = self.predictor._features(sims / temperature, offset, col_mask, validate)
             radius = self.predictor._from_features(features)  # (Q, b)
@@ -967,22 +964,6 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         temperature = self.temperature
         return temperature.detach() if isinstance(temperature, Tensor) else temperature
 
-    def _scalar_radius(self, like: Tensor) -> Tensor:
-        """The static radius (a parameter) in ``like``'s dtype, or the fixed one exact: the
-        Python float it was given (its float32 buffer holds 0.2 as 0.2000000030)."""
-        if self.radius_mode != "fixed":
-            return cast(Tensor, self.radius).to(like.dtype)
-        buffer = cast(Tensor, self.radius)
-        kept = getattr(self, "_radius_value", None)
-        if kept is None:  # pickled before the float was kept
-            kept = self._radius_value = float(buffer)
-            self._radius_stamp = _stamp(buffer)
-        elif not torch.compiler.is_compiling() and _stamp(buffer) != self._radius_stamp:
-            written = _written_value(buffer, kept)
-            self._radius_value = kept = kept if written is None else written
-            self._radius_stamp = _stamp(buffer)
-        return like.new_full((), kept)
-
     def _regularise_tiled(
         self,
         pairs: list[Any],
@@ -1004,7 +985,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         dist = _distance(x, y_pos)  # (Q, b)
         row_mask, col_mask = _pair_masks(pairs, b, x, enabled, validate)
         if self.predictor is None:
-            radius = self._scalar_radius(x)  # ()
+            radius = _scalar_radius(self, x)  # ()
         else:  # SupCLAP's s = cos / tau, from the running top-k of every tile
             k = self.predictor.num_features - 1
             parts = _tiled_top_negatives(x, y, k, offset, col_mask, chunk_size)
@@ -1023,6 +1004,24 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         return _anchor_means(
             rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
         )
+
+
+def _scalar_radius(svr: SupportVectorRegularizer, like: Tensor) -> Tensor:
+    """The static radius (a parameter) in ``like``'s dtype, or the fixed one exact: the
+    Python float it was given (its float32 buffer holds 0.2 as 0.2000000030), unless
+    another value was written into the buffer (``load_state_dict``, ``fill_``)."""
+    buffer = cast(Tensor, svr.radius)
+    if svr.radius_mode != "fixed":
+        return buffer.to(like.dtype)
+    kept = getattr(svr, "_radius_value", None)
+    if kept is None:  # pickled before the float was kept
+        kept = svr._radius_value = float(buffer)
+        svr._radius_stamp = _stamp(buffer)
+    elif not torch.compiler.is_compiling() and _stamp(buffer) != svr._radius_stamp:
+        written = _written_value(buffer, kept)
+        svr._radius_value = kept = kept if written is None else written
+        svr._radius_stamp = _stamp(buffer)
+    return like.new_full((), kept)
 
 
 def _checksum(predictor: RadiusPredictor) -> Tensor:
