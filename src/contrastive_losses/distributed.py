@@ -12,8 +12,11 @@ Rank agreement: before the first gather of a call, every rank shares one fixed-l
 header (:func:`validate_together`): whether its checks run, whether they failed, its batch
 size, a fingerprint of the loss's effective settings (temperature and the scale's dtype,
 reduction, ``chunk_size``, an SVR radius, CACL's ``english_index``, ASK's effective
-``k_coarse``, ...), the number of this call among the loss Module's gathered calls, and
-the dtype and trailing shape of what it will gather (embeddings, ids, knowledge).
+``k_coarse`` and bank backend, a dynamic radius predictor's checksum, a wrapper's own
+settings such as the drop-in ``ClipLoss``'s ``local_loss``, ...), the number of this call
+among the loss Module's gathered calls, and the dtype, trailing shape and autograd state
+(``requires_grad`` with grad mode on) of what it will gather (embeddings, ids, knowledge).
+:func:`check_call_counts` compares the ranks' totals of calls through the same exchange.
 Ranks whose checks run compare
 the headers and raise one clear error together; a rank with the checks off sends its
 header (zeros, made on the device) without reading anything back, so the collectives stay
@@ -437,7 +440,9 @@ def validate_together(
       rank's value;
     * if they disagree on a registered tensor's dtype or its sizes after the batch dim
       (``D = 8`` on one rank, ``16`` on another; ``ids`` int32 and int64: the gather
-      would abort a rank) every rank raises a ``ValueError`` naming it and both values;
+      would abort a rank), or on whether autograd records it (``torch.no_grad()`` or an
+      input that requires grad on one rank only: that rank's backward would wait for a
+      peer that makes none) every rank raises a ``ValueError`` naming it and both values;
     * if the *global* batch is below ``min_global`` every rank raises a ``ValueError``
       naming ``name``. Splits 1 + 6 and 0 + 2 are legal, 1 + 0 is not.
 

@@ -184,13 +184,17 @@ class ClipLoss(_OpenClipSettings):
 
     Args:
         local_loss: open_clip's flag: this rank's rows against the global batch (the value
-            is this rank's mean); ``False``: the value is the global-batch loss.
+            is this rank's mean); ``False``: the value is the global-batch loss. Under
+            ``world_size > 1`` every rank must pass the same (it picks the collective
+            after the loss): ranks that differ raise one ``ValueError`` naming it.
         gather_with_grad: open_clip's flag; the gradient here is the exact one either way
             (above), so ``False`` with ``world_size > 1`` warns.
         cache_labels: accepted for open_clip's signature; no label vector is built here.
         rank: this process's rank (open_clip's ``args.rank``).
         world_size: the number of ranks; above 1 the features are gathered, which needs
-            ``torch.distributed`` initialised with that many ranks.
+            ``torch.distributed`` initialised with that many ranks. It must be the process
+            group's: ``world_size=1`` (the default) called under a group of several ranks
+            raises on every rank that calls the loss, instead of computing a local loss.
         use_horovod: not supported (``True`` raises); launch with ``torchrun``.
         chunk_size: ``None`` (dense) or the column tile of the exact memory-bounded path.
         svr: ``None``, or keyword arguments of
@@ -333,7 +337,8 @@ class SigLipLoss(_OpenClipSettings):
     Args:
         cache_labels: accepted for open_clip's signature; no label matrix is built here.
         rank: this process's rank.
-        world_size: the number of ranks; above 1 the text features are gathered.
+        world_size: the number of ranks; above 1 the text features are gathered. It must
+            be the process group's, as in :class:`ClipLoss`.
         dist_impl: open_clip's exchange, one of ``"bidir"`` (``None``), ``"shift"``,
             ``"reduce"``, ``"gather"``: checked and kept, the same loss for each.
         chunk_size: ``None`` (dense) or the column tile of the exact memory-bounded path.
