@@ -106,7 +106,7 @@ def _outcome(fn, *args, **kwargs) -> tuple:
         loss = fn(*args, **kwargs)
     except (ValueError, TypeError) as err:
         return ("error", type(err).__name__, str(err))
-    return ("value", float(loss))
+    return ("value", float(loss.detach()))
 
 
 def _extra_call(r: int, a, t) -> tuple:
