@@ -7,19 +7,22 @@ real file or directory inside it.
 a device or a socket (the root itself, ``--output-dir``, may be a link: that is the user's
 choice):
 
-- a directory is checked component by component from the root (``lstat``), and created when
-  asked;
-- a file is read through a descriptor opened with ``O_NOFOLLOW | O_NONBLOCK`` relative to
-  descriptors of its directories (each opened with ``O_NOFOLLOW``), so a link is never followed,
-  a FIFO never blocks, and what is read is what was checked; only a regular file is read, and
-  only when ``fstat`` puts it under the caller's size cap (the read stops one byte past the cap
-  should the file grow meanwhile);
+- every read and write walks the path from a descriptor of the root, opening each directory
+  once with ``O_NOFOLLOW`` relative to its parent's descriptor (creating it when asked), and
+  does everything else relative to the last one (``dir_fd``): no path is looked up again
+  between the check and the use, so a directory swapped for a link is refused by name when it
+  is met, and is never written through when it is swapped afterwards;
+- a file is read through a descriptor opened with ``O_NOFOLLOW | O_NONBLOCK``, so a link is
+  never followed, a FIFO never blocks, and what is read is what was checked; only a regular
+  file is read, and only when ``fstat`` puts it under the caller's size cap (the read stops
+  one byte past the cap should the file grow meanwhile);
 - a file is written through a temporary name created with ``O_EXCL | O_NOFOLLOW`` and renamed
   over its target (``durable``): a link, FIFO or device at the target is replaced, never
   followed or opened, and named in a warning; appends open with ``O_NOFOLLOW | O_NONBLOCK`` and
-  write to a regular file only. (A write checks its directories just before it writes, by
-  path: a directory swapped for a link in that instant is the one race reads close and writes
-  do not.)
+  write to a regular file only. Before the rename the directory's path must still lead to the
+  directory written into: one moved away or swapped for a link meanwhile is named in an error,
+  and the file is not published (its bytes went only to the directory that was checked);
+- the root may be a link, but must stay the directory it was when the run first used it.
 
 A refusal is a :class:`RunFolderError` (a ``ValueError``) naming the path; callers that can do
 without a file (a log the checkpoint recreates, a summary that is rewritten) warn and go on.
@@ -166,6 +169,14 @@ class RunFolder:
         finally:
             if fd is not None:
                 os.close(fd)
+
+    def open_dir(self, path: Path | str, create: bool = False) -> int:
+        """A descriptor of ``path``, a real directory of the run folder, that the caller
+        closes (:class:`RunFolderError` when absent and not created)."""
+        fd = self._open_dirs(self._parts(path), create)
+        if fd is None:
+            raise RunFolderError(f"{path}: absent")
+        return fd
 
     def dir(self, path: Path | str, create: bool = False) -> Path | None:
         """``path``, a real directory of the run folder (every component below the root
@@ -348,11 +359,12 @@ class RunFolder:
         source, target = Path(source), Path(target)
         if source.parent != target.parent:
             raise RunFolderError(f"{source} -> {target}: not in one directory")
-        with self.directory(source.parent) as fd:
-            if fd is None:
-                raise RunFolderError(f"{source.parent}: absent")
+        fd = self.open_dir(source.parent)
+        try:
             os.rename(source.name, target.name, src_dir_fd=fd, dst_dir_fd=fd)
             durable.fsync_dir(fd)
+        finally:
+            os.close(fd)
 
     def remove(self, path: Path | str) -> None:
         """Delete a file or directory of the run folder (a link is removed, not followed)."""

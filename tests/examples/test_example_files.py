@@ -460,3 +460,28 @@ def test_a_memory_error_while_reading_a_manifest_names_the_file_and_line(
     monkeypatch.setattr(data, "_ManifestLines", Lines)
     with pytest.raises(data.ManifestError, match=rf"{path}:3: out of memory"):
         data.read_manifest(path, LANGS, check_files=False)
+
+
+def test_tensorboard_swapped_for_a_link_while_it_writes_sends_nothing_outside(
+    tmp_path: Path, base_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorBoard's writer opens its event files by path: it is given the descriptor of the
+    directory that was checked (``/proc/self/fd/N``), so a ``tensorboard/`` swapped for a link
+    after it started receives no event."""
+    pytest.importorskip("tensorboard", reason="tensorboard (examples extra) not installed")
+    from clap_example.board import ScalarBoard
+
+    out, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    step = ScalarBoard.step
+
+    def swap_then_step(self: ScalarBoard, row: dict[str, Any]) -> None:
+        if not (out / "tensorboard").is_symlink():
+            swap_for_link(out / "tensorboard", outside)
+        step(self, row)
+
+    monkeypatch.setattr(ScalarBoard, "step", swap_then_step)
+    cfg = {**base_config, "loss": "infonce", "epochs": 1, "max_steps": 2, "tensorboard": True}
+    run(out, cfg, test_manifest=None)
+    assert files_under(outside) == {}
+    assert list((out / "tensorboard.moved").glob("events.out.tfevents.*"))
