@@ -111,23 +111,23 @@ class _ManifestLines:
             ) from None
 
 
-def _open_manifest(path: Path) -> BinaryIO:
-    """The manifest, opened once (``descriptors.open_regular``): a FIFO, socket, device or
-    directory is an error saying what it is, never a read that blocks."""
+def _open_input(path: str | os.PathLike[str], what: str) -> int:
+    """A descriptor of the manifest or audio file ``path``, opened once with ``O_NONBLOCK`` and
+    checked by ``fstat`` (``descriptors.open_regular``): a FIFO, socket, device or directory is
+    an error saying what it is, never a read or a decoder that waits for ever."""
     try:
-        fd = open_regular(path, "manifest")
+        return open_regular(path, what)
     except FileNotFoundError:
-        raise ManifestError(f"manifest {path} does not exist") from None
+        raise ManifestError(f"{what} {path} does not exist") from None
     except NotRegularFile as err:
         raise ManifestError(str(err)) from None
     except OSError as err:
-        raise ManifestError(f"manifest {path}: cannot be opened ({err.strerror or err})") from None
-    return os.fdopen(fd, "rb", buffering=1 << 16)
+        raise ManifestError(f"{what} {path}: cannot be opened ({err.strerror or err})") from None
 
 
 def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, row)`` pairs; line numbers are 1-based as an editor shows them."""
-    with _open_manifest(path) as file:
+    with os.fdopen(_open_input(path, "manifest"), "rb", buffering=1 << 16) as file:
         lines = _ManifestLines(path, file)
         try:
             if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
@@ -332,19 +332,6 @@ def resample(wave: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np
     return np.asarray(out, dtype=np.float32)
 
 
-def _open_audio(path: str | os.PathLike[str]) -> int:
-    """A descriptor of the audio file (``O_NONBLOCK``, checked by ``fstat``): a FIFO, socket
-    or device is an error saying what it is, never a decoder that waits for ever."""
-    try:
-        return open_regular(path, "audio file")
-    except FileNotFoundError:
-        raise ManifestError(f"audio file {path} does not exist") from None
-    except NotRegularFile as err:
-        raise ManifestError(str(err)) from None
-    except OSError as err:
-        raise ManifestError(f"cannot read audio file {path}: {err.strerror or err}") from None
-
-
 def _sf_reason(err: Exception) -> str:
     """libsndfile's reason, without its ``Error opening <descriptor>:`` prefix."""
     return str(getattr(err, "error_string", None) or err)
@@ -352,11 +339,11 @@ def _sf_reason(err: Exception) -> str:
 
 @contextmanager
 def _sound_file(path: str | os.PathLike[str]) -> Iterator[Any]:
-    """The audio file decoded from the one descriptor :func:`_open_audio` opened and checked
+    """The audio file decoded from the one descriptor :func:`_open_input` opened and checked
     (never by re-opening the path)."""
     import soundfile as sf
 
-    fd = _open_audio(path)
+    fd = _open_input(path, "audio file")
     try:
         try:
             sound = sf.SoundFile(fd, closefd=False)
