@@ -142,6 +142,7 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
 def _json_rows(path: Path, lines: _ManifestLines) -> list[tuple[int, dict[str, Any]]]:
     rows: list[tuple[int, dict[str, Any]]] = []
     for line in lines:
+        lines.row_done()  # a JSON row is one line
         if not line.strip():
             continue
         try:

@@ -432,6 +432,37 @@ def test_a_line_at_the_cap_is_read(tmp_path: Path, wav: Path) -> None:
         read_manifest(path, LANGS)
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_manifest_larger_than_the_line_cap_is_read_whole(
+    tmp_path: Path, wav: Path, suffix: str
+) -> None:
+    """The cap is per line (per CSV row), not per file: 3 MiB of short rows are all read."""
+    from clap_example.data import MAX_LINE_BYTES, read_manifest
+
+    path = tmp_path / f"m{suffix}"
+    n = 3 * MAX_LINE_BYTES // 400
+    caption = "a dog barks " * 30
+    if suffix == ".csv":
+        body = HEADER.decode() + "".join(f"a.wav,a,{caption}{i},en\n" for i in range(n))
+    else:
+        body = "".join(
+            json.dumps(
+                {
+                    "audio_path": "a.wav",
+                    "audio_id": "a",
+                    "caption": f"{caption}{i}",
+                    "language": "en",
+                }
+            )
+            + "\n"
+            for i in range(n)
+        )
+    path.write_text(body)
+    assert len(body) > 2 * MAX_LINE_BYTES
+    (clip,) = read_manifest(path, LANGS)
+    assert len(clip.captions["eng_Latn"]) == n and clip.rows[-1] == n + (suffix == ".csv")
+
+
 def test_a_csv_row_spread_over_many_lines_is_capped_too(tmp_path: Path) -> None:
     from clap_example.data import MAX_LINE_BYTES, ManifestError, read_manifest
 
