@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import from_main
-from .durable import TMP_PREFIX, fsync_dir, warn
+from .durable import TMP_PREFIX, warn
 from .manifest import CheckpointError, read_verified, verify, write_manifest
 from .run_folder import MAX_LATEST_BYTES, MAX_SUMMARY_BYTES, RunFolder, RunFolderError
 
@@ -388,15 +388,14 @@ class CheckpointStore:
                 dist.barrier()
             if self.is_main:
                 self.folder.torch_save(state(), tmp / "state.pt")
-                write_manifest(tmp, name, meta)
-                os.rename(tmp, directory)
+                write_manifest(self.folder, tmp, name, meta)
+                self.folder.rename(tmp, directory)  # and fsyncs the checkpoints directory
         except Exception:
             self.folder.remove(
                 tmp
             )  # a full disk: leave no half checkpoint (a kill: the next start)
             raise
         if self.is_main:
-            fsync_dir(self.dir)
             before_publish()
             self.folder.write_text(self.dir / "latest", name)
             self.prune(name)

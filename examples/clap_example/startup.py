@@ -30,7 +30,7 @@ from .data import (
     require_language,
     require_other_language,
 )
-from .durable import TMP_PREFIX, remove_tree
+from .durable import TMP_PREFIX
 from .model import ClapModel, load_mlclap_checkpoint
 from .objective import text_mode
 from .run_folder import RunFolder, RunFolderError
@@ -166,7 +166,7 @@ def prepare_output_dir(out: Path, overwrite: bool) -> None:
     for directory in (out, out / "checkpoints", out / "best"):
         if folder.dir(directory) is not None:  # temp files of a killed run
             for stale in directory.glob(f"{TMP_PREFIX}*"):
-                remove_tree(stale)
+                folder.remove(stale)
 
 
 def check_clips(args: argparse.Namespace, data: RunData, rank: int, world: int) -> None:
