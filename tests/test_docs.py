@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import itertools
 import json
 import os
 import pkgutil
@@ -124,20 +125,22 @@ def test_copy_button_copies_whole_commands(html_build: tuple[Path, Path]) -> Non
         blocks += parser.blocks
     copies = copied(html, blocks)
     prompt = re.compile(r"^(>>> |\.\.\. |\$ |> )")
-    for text, copy in zip(blocks, copies):
+    for text, copy in zip(blocks, copies, strict=True):
         lines = text.rstrip("\n").split("\n")
         if not any(prompt.match(line) for line in lines):
             assert copy == text.rstrip("\n"), f"a block without prompts was cut:\n{text}"
             continue
         kept = copy.split("\n")
-        for before, line in zip(lines, lines[1:]):
+        for before, line in itertools.pairwise(lines):
             if line.startswith(("$ ", "> ")):
                 assert line[2:] in kept, f"{line!r} was not copied from:\n{text}"
             elif prompt.match(before) and before.endswith("\\"):
                 assert line in kept, f"{line!r} continues {before!r} but was not copied"
     # The trainer page's two: a command over three lines, and a "for" loop.
-    whole = [(t, c) for t, c in zip(blocks, copies) if "$ python -m contrastive_losses" in t]
-    whole += [(t, c) for t, c in zip(blocks, copies) if "$ for " in t]
+    whole = [
+        (t, c) for t, c in zip(blocks, copies, strict=True) if "$ python -m contrastive_losses" in t
+    ]
+    whole += [(t, c) for t, c in zip(blocks, copies, strict=True) if "$ for " in t]
     assert len(whole) >= 2, "the trainer page's continued commands are gone: update the test"
     for text, copy in whole:
         assert len(copy.splitlines()) == len(text.rstrip("\n").splitlines()), (text, copy)
