@@ -369,10 +369,28 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     return markdown_table(header, rows)
 
 
+# PNG text key holding the height, in the PNG's pixels, of the figure's smallest text:
+# docs/screenshot_check.py scales it by the width the page shows the image at and fails
+# a figure whose smallest text would be unreadably small there.
+MIN_FONT_KEY = "cl-min-font-px"
+
+
+def min_font_px(fig: Any) -> float:
+    """Size in pixels (at the figure's dpi) of the smallest visible non-empty text."""
+    from matplotlib.text import Text
+
+    sizes = [
+        t.get_fontsize()
+        for t in fig.findobj(Text)
+        if t.get_visible() and t.get_text().strip() and t.figure is not None
+    ]
+    return min(sizes, default=math.nan) * fig.dpi / 72
+
+
 def save_figure(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={MIN_FONT_KEY: f"{min_font_px(fig):.1f}"})
     plt.close(fig)
     return path
 
