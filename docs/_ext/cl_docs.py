@@ -311,7 +311,9 @@ class BenchmarkResults(SphinxDirective):
         self, results: Path, docdir: Path, stem: str, stems: list[str], with_titles: bool
     ) -> list[str]:
         rel = Path(os.path.relpath(results, docdir)).as_posix()
-        lines = _title(stem, "-") if with_titles else []
+        # A titled result gets a label to cite it by: ``:ref:`results-studies-svr```.
+        label = "-".join(["results", *results.relative_to(self.config.cl_results_dir).parts, stem])
+        lines = [f".. _{label}:", "", *_title(stem, "-")] if with_titles else []
         json_path, md_path = results / f"{stem}.json", results / f"{stem}.md"
         longer = [s for s in stems if s != stem and s.startswith(stem)]
         pngs = sorted(
