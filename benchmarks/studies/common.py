@@ -387,6 +387,23 @@ def min_font_px(fig: Any) -> float:
     return min(sizes, default=math.nan) * fig.dpi / 72
 
 
+# A docs column at 1280 px is ~736 px wide: a figure 7.5 in wide at 100 dpi (750 px) is
+# shown at ~98 % of its size, so its 8-pt text stays ~11 px on screen.
+FIG_WIDTH, FIG_DPI = 7.5, 100
+
+
+def panel_grid(n: int, cols: int = 2, height: float = 3.0) -> tuple[Any, list[Any]]:
+    """A figure of ``n`` panels, ``cols`` a row, FIG_WIDTH wide; its axes in reading order."""
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(FIG_WIDTH, height * rows), dpi=FIG_DPI, squeeze=False
+    )
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.remove()
+    return fig, flat[:n]
+
+
 def save_figure(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
