@@ -42,7 +42,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import common
-import matplotlib.pyplot as plt
 import torch
 from torch import nn
 

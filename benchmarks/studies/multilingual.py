@@ -34,7 +34,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import common
-import matplotlib.pyplot as plt
 import torch
 
 from contrastive_losses import CACLLoss, InfoNCELoss, KCLLoss, metrics, sample_languages

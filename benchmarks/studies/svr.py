@@ -25,7 +25,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import common
-import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch import nn
