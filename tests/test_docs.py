@@ -62,10 +62,22 @@ def test_sphinx_html_and_doctest(html_build: tuple[Path, Path]) -> None:
         assert (out / "html" / f"{page}.html").is_file(), page
     check_api_entries(out / "html")
     check_mathjax(out / "html")
+    check_real_data_figures(out / "html")
     tests = _sphinx("doctest", out, doctrees)
     report = (out / "doctest" / "output.txt").read_text() if tests.returncode == 0 else ""
     assert tests.returncode == 0, f"sphinx -b doctest failed:\n{tests.stdout}\n{tests.stderr}"
     assert " 0 failures in tests" in report, report
+
+
+def check_real_data_figures(html: Path) -> None:
+    """The Real data page's figures have the captions and alt text their study wrote (not
+    their file names) and no contents directive (Furo draws it as a red error box)."""
+    page = (html / "real_data.html").read_text(encoding="utf-8")
+    alts = re.findall(r'<img alt="([^"]*)"', page)
+    captions = re.findall(r"<figcaption>\s*<p><span class=\"caption-text\">([^<]*)", page)
+    assert len(alts) == len(captions) == 3, (alts, captions)
+    assert not any(text.endswith(".png") for text in alts + captions), (alts, captions)
+    assert 'class="contents' not in page
 
 
 class _CodeBlocks(HTMLParser):

@@ -3,26 +3,17 @@ figures too small to read (the browser part runs where Chromium is installed).""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_file_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-check = _module("screenshot_check", ROOT / "docs" / "screenshot_check.py")
+check = load_file_module("screenshot_check", ROOT / "docs" / "screenshot_check.py")
 
 
 def _figure(path: Path, fontsize: float, dpi: int = 100) -> None:

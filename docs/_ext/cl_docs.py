@@ -346,6 +346,8 @@ class BenchmarkResults(SphinxDirective):
             self.env.note_dependency(str(md_path))
             lines += [f".. include:: {rel}/{stem}.md", "   :parser: myst_parser.sphinx_", ""]
         figures = payload.get("figures", {})
+        order = list(figures)  # the study's own order first (its main figure), then by name
+        pngs.sort(key=lambda p: (order.index(p.name) if p.name in order else len(order), p.name))
         for png in pngs:
             lines += _figure(f"{rel}/{png.name}", figures.get(png.name) or {})
         return lines
