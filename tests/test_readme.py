@@ -40,3 +40,18 @@ def test_readme_set_up_commands_are_the_ci_commands():
         assert command in ci_lines, f"{command!r} is in README but not in .ci/run"
     order = [ci_lines.index(command) for command in commands]
     assert order == sorted(order), "README and .ci/run give the set-up commands in another order"
+
+
+def test_which_loss_section_cites_studies_that_exist():
+    """README's and the docs index's "Which loss should I use?" cite the studies their
+    numbers come from, by links that resolve."""
+    section = README.read_text().split("## Which loss should I use?", 1)[1].split("\n## ", 1)[0]
+    links = re.findall(r"\]\(([^)#]+)", section)
+    for study in ("real_multilingual", "multilingual", "svr", "svr_regimes", "ask"):
+        assert f"benchmarks/results/studies/{study}.md" in links, study
+    missing = [link for link in links if not (README.parent / link).is_file()]
+    assert not missing, missing
+    index = (README.parent / "docs" / "index.rst").read_text()
+    cited = index.split("Which loss should I use?", 1)[1].split("Next steps", 1)[0]
+    for ref in ("real_data", "results-studies-multilingual", "results-studies-svr", "methods/svr"):
+        assert ref in cited, ref
