@@ -442,7 +442,8 @@ def plot(mem: list[dict[str, Any]], tim: list[dict[str, Any]], path: Path) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # One panel above the other, 750 px wide: a docs column at 1280 px shows it at full size.
+    fig, (ax_m, ax_t) = plt.subplots(2, 1, figsize=(7.5, 7.6))
     styles = {"dense": ("C0", "o"), "tiled": ("C1", "s"), "open_clip": ("C2", "^")}
     for loss, ls in (("infonce", "-"), ("siglip", "--")):
         for impl, (color, marker) in styles.items():
@@ -486,7 +487,7 @@ def plot(mem: list[dict[str, Any]], tim: list[dict[str, Any]], path: Path) -> No
             ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

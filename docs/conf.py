@@ -144,6 +144,13 @@ html_theme_options = {
     "navigation_with_keys": True,
 }
 html_show_sourcelink = False
-copybutton_prompt_text = r">>> |\.\.\. |\$ "
+# The copy button copies what a reader would type: the commands without their prompts
+# ("$ ", ">>> ", "... ", and "> ", the shell's prompt inside a multi-line "for" loop), the
+# lines that continue a command ending in a backslash, and a here-document up to its
+# delimiter; output lines are left out. tests/test_docs.py runs the built copybutton.js
+# on every console block.
+copybutton_prompt_text = r">>> |\.\.\. |\$ |> "
 copybutton_prompt_is_regexp = True
 copybutton_only_copy_prompt_lines = True
+copybutton_line_continuation_character = "\\"
+copybutton_here_doc_delimiter = "EOF"

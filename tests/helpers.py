@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
+import types
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -159,3 +162,15 @@ class CountingBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         self.calls += 1
         return self.inner(gm, example_inputs)
+
+
+def load_file_module(name: str, path: Path) -> types.ModuleType:
+    """A script that is not in a package (``docs/screenshot_check.py``) as module ``name``."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,6 +3,7 @@
 * ``sphinx-build -W -b html`` then ``-b doctest`` on ``docs/`` (the doctest builder runs
   the method pages' snippets and, through autodoc, every docstring in the API reference);
 * ``doctest`` over every module of the package (the docstrings, without Sphinx);
+* the built copy button (``copybutton.js``, run by node) copies whole shell commands;
 * the DDP script shown on the "use it in your trainer" page, on two CPU processes;
 * the compiled training loop shown on the "Performance switches" page, with inductor.
 """
@@ -11,8 +12,12 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import itertools
+import json
 import os
 import pkgutil
+import re
+import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -39,21 +44,118 @@ def _sphinx(builder: str, out: Path, doctrees: Path) -> subprocess.CompletedProc
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
 
 
-def test_sphinx_html_and_doctest(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def html_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """``(output folder, doctrees)`` of one ``-W -b html`` build, shared by the tests here."""
     pytest.importorskip("sphinx")
-    # One test, both builders in turn: they share the parsed doctrees, and the API pages
-    # that the build writes into docs/api/generated/ are written by one process only.
-    doctrees = tmp_path / "doctrees"
-    html = _sphinx("html", tmp_path, doctrees)
+    out = tmp_path_factory.mktemp("docs")
+    html = _sphinx("html", out, out / "doctrees")
     assert html.returncode == 0, f"sphinx -W -b html failed:\n{html.stdout}\n{html.stderr}"
+    return out, out / "doctrees"
+
+
+def test_sphinx_html_and_doctest(html_build: tuple[Path, Path]) -> None:
+    # Both builders in turn: they share the parsed doctrees, and the API pages that the
+    # build writes into docs/api/generated/ are written by one process only.
+    out, doctrees = html_build
     for page in ("index", "methods/kcl", "api/index", "api/generated/contrastive_losses"):
-        assert (tmp_path / "html" / f"{page}.html").is_file(), page
-    check_api_entries(tmp_path / "html")
-    check_mathjax(tmp_path / "html")
-    tests = _sphinx("doctest", tmp_path, doctrees)
-    report = (tmp_path / "doctest" / "output.txt").read_text() if tests.returncode == 0 else ""
+        assert (out / "html" / f"{page}.html").is_file(), page
+    check_api_entries(out / "html")
+    check_mathjax(out / "html")
+    check_real_data_figures(out / "html")
+    tests = _sphinx("doctest", out, doctrees)
+    report = (out / "doctest" / "output.txt").read_text() if tests.returncode == 0 else ""
     assert tests.returncode == 0, f"sphinx -b doctest failed:\n{tests.stdout}\n{tests.stderr}"
     assert " 0 failures in tests" in report, report
+
+
+def check_real_data_figures(html: Path) -> None:
+    """The Real data page's figures have the captions and alt text their study wrote (not
+    their file names) and no contents directive (Furo draws it as a red error box)."""
+    page = (html / "real_data.html").read_text(encoding="utf-8")
+    alts = re.findall(r'<img alt="([^"]*)"', page)
+    captions = re.findall(r"<figcaption>\s*<p><span class=\"caption-text\">([^<]*)", page)
+    assert len(alts) == len(captions) == 3, (alts, captions)
+    assert not any(text.endswith(".png") for text in alts + captions), (alts, captions)
+    assert 'class="contents' not in page
+
+
+class _CodeBlocks(HTMLParser):
+    """The text of every highlighted code block (``<pre>`` in ``div.highlight-*``), as the
+    browser's ``innerText`` gives it to the copy button."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.blocks: list[str] = []
+        self._depth = 0  # inside a <pre> of a highlight block
+        self._in_highlight = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        cls = dict(attrs).get("class") or ""
+        if tag == "div" and cls.startswith("highlight-"):
+            self._in_highlight = True
+        elif tag == "pre" and self._in_highlight:
+            self._depth = 1
+            self.blocks.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "pre" and self._depth:
+            self._depth, self._in_highlight = 0, False
+
+    def handle_data(self, data: str) -> None:
+        if self._depth:
+            self.blocks[-1] += data
+
+
+def copied(html: Path, blocks: list[str]) -> list[str]:
+    """What the built ``copybutton.js`` copies from each block: its ``formatCopyText``
+    called with the arguments conf.py put into the built file, run by node."""
+    js = (html / "_static" / "copybutton.js").read_text(encoding="utf-8")
+    start = js.index("function escapeRegExp")
+    functions = js[start : js.index("var copyTargetText", start)]
+    call = re.search(r"return (formatCopyText\(text, .*\))\n", js)
+    assert call is not None, "copybutton.js no longer calls formatCopyText(text, ...)"
+    script = f"{functions}\nconst blocks = JSON.parse(require('fs').readFileSync(0, 'utf8'));\n"
+    script += f"console.log(JSON.stringify(blocks.map((text) => {call.group(1)})));\n"
+    run = subprocess.run(
+        ["node", "-e", script], input=json.dumps(blocks), capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_copy_button_copies_whole_commands(html_build: tuple[Path, Path]) -> None:
+    """Every line of a continued (``\\``) or multi-line (``> ``) shell command is copied,
+    without its prompt; a block without prompts is copied whole."""
+    if shutil.which("node") is None:
+        pytest.skip("node (Node.js) is not installed: it runs the built copybutton.js")
+    html = html_build[0] / "html"
+    blocks = []
+    for page in sorted(html.rglob("*.html")):
+        parser = _CodeBlocks()
+        parser.feed(page.read_text(encoding="utf-8"))
+        blocks += parser.blocks
+    copies = copied(html, blocks)
+    prompt = re.compile(r"^(>>> |\.\.\. |\$ |> )")
+    for text, copy in zip(blocks, copies, strict=True):
+        lines = text.rstrip("\n").split("\n")
+        if not any(prompt.match(line) for line in lines):
+            assert copy == text.rstrip("\n"), f"a block without prompts was cut:\n{text}"
+            continue
+        kept = copy.split("\n")
+        for before, line in itertools.pairwise(lines):
+            if line.startswith(("$ ", "> ")):
+                assert line[2:] in kept, f"{line!r} was not copied from:\n{text}"
+            elif prompt.match(before) and before.endswith("\\"):
+                assert line in kept, f"{line!r} continues {before!r} but was not copied"
+    # The trainer page's two: a command over three lines, and a "for" loop.
+    whole = [
+        (t, c) for t, c in zip(blocks, copies, strict=True) if "$ python -m contrastive_losses" in t
+    ]
+    whole += [(t, c) for t, c in zip(blocks, copies, strict=True) if "$ for " in t]
+    assert len(whole) >= 2, "the trainer page's continued commands are gone: update the test"
+    for text, copy in whole:
+        assert len(copy.splitlines()) == len(text.rstrip("\n").splitlines()), (text, copy)
 
 
 class _ApiEntries(HTMLParser):

@@ -13,8 +13,10 @@ STUDIES = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
 pytest.importorskip("matplotlib", reason="the studies plot with matplotlib (dev extra)")
 sys.path.insert(0, str(STUDIES))
 
+import common  # noqa: E402
 import real_data  # noqa: E402
 import real_multilingual as study  # noqa: E402
+from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 
 
 def _args(out: Path, render: bool = False) -> argparse.Namespace:
@@ -47,7 +49,16 @@ def test_study_runs_every_arm_on_tiny_data_and_renders(tmp_path, monkeypatch) ->
     data = real_data.synthetic(seed=0)
     payload = study.study(_args(tmp_path), data)
     saved = json.loads((tmp_path / "real_multilingual.json").read_text())
-    assert (tmp_path / "real_multilingual.png").is_file()
+    # three figures, each with a caption and alt text for the docs and a record of its
+    # smallest text (docs/screenshot_check.py scales it by the width shown)
+    assert sorted(saved["figures"]) == [
+        f"real_multilingual_{n}.png" for n in ("curves", "languages", "r1")
+    ]
+    for name, meta in saved["figures"].items():
+        assert meta["caption"] and meta["alt"] and name not in meta["caption"] + meta["alt"]
+        font = Image.open(tmp_path / name).info[common.MIN_FONT_KEY]
+        assert float(font) >= 12.0, (name, font)  # 9 pt at 100 dpi, 750 px wide
+        assert Image.open(tmp_path / name).size[0] == 750
     runs = saved["runs"]
     k = len(data.languages)
     expected = {(m, s) for m in study.METHODS for s in (0, 1)} - {("random_xK", 1)}

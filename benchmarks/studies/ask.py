@@ -42,7 +42,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import common
-import matplotlib.pyplot as plt
 import torch
 from torch import nn
 
@@ -277,7 +276,8 @@ def checks(runs: dict[str, dict[str, list[dict]]]) -> str:
 
 
 def plot(runs: dict[str, dict[str, list[dict]]], path) -> None:
-    fig, axes = plt.subplots(len(CONDITIONS), 4, figsize=(16, 3.2 * len(CONDITIONS)), dpi=80)
+    fig, flat = common.panel_grid(4 * len(CONDITIONS))
+    axes = [flat[4 * i : 4 * i + 4] for i in range(len(CONDITIONS))]  # a condition a row pair
     panels = [
         ("t2a_r1", "held-out T2A R@1 (all clusters)", METHODS),
         ("t2a_tail_r1", "held-out T2A R@1 (tail clusters 50-99)", METHODS),
@@ -289,8 +289,8 @@ def plot(runs: dict[str, dict[str, list[dict]]], path) -> None:
             for m in methods:
                 curve = common.curves(runs[c][m], key)
                 common.band(ax, curve["mean"], curve["std"], label=m, color=COLOURS[m])
-            ax.set_title(f"{c}: {title}", fontsize=9)
-            ax.set_xlabel("epoch")
+            ax.set_title(f"{c}: {title}", fontsize=8)
+            ax.set_xlabel("epoch", fontsize=8)
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=8)
     common.save_figure(fig, path)

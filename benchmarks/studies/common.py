@@ -369,10 +369,45 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     return markdown_table(header, rows)
 
 
+# PNG text key holding the height, in the PNG's pixels, of the figure's smallest text:
+# docs/screenshot_check.py scales it by the width the page shows the image at and fails
+# a figure whose smallest text would be unreadably small there.
+MIN_FONT_KEY = "cl-min-font-px"
+
+
+def min_font_px(fig: Any) -> float:
+    """Size in pixels (at the figure's dpi) of the smallest visible non-empty text."""
+    from matplotlib.text import Text
+
+    sizes = [
+        t.get_fontsize()
+        for t in fig.findobj(Text)
+        if t.get_visible() and t.get_text().strip() and t.figure is not None
+    ]
+    return min(sizes, default=math.nan) * fig.dpi / 72
+
+
+# A docs column at 1280 px is ~736 px wide: a figure 7.5 in wide at 100 dpi (750 px) is
+# shown at ~98 % of its size, so its 8-pt text stays ~11 px on screen.
+FIG_WIDTH, FIG_DPI = 7.5, 100
+
+
+def panel_grid(n: int, cols: int = 2, height: float = 3.0) -> tuple[Any, list[Any]]:
+    """A figure of ``n`` panels, ``cols`` a row, FIG_WIDTH wide; its axes in reading order."""
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(FIG_WIDTH, height * rows), dpi=FIG_DPI, squeeze=False
+    )
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.remove()
+    return fig, flat[:n]
+
+
 def save_figure(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={MIN_FONT_KEY: f"{min_font_px(fig):.1f}"})
     plt.close(fig)
     return path
 

@@ -34,7 +34,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import common
-import matplotlib.pyplot as plt
 import torch
 
 from contrastive_losses import CACLLoss, InfoNCELoss, KCLLoss, metrics, sample_languages
@@ -232,7 +231,7 @@ def checks(runs: dict[str, list[dict]]) -> str:
 
 def plots(runs: dict[str, list[dict]], out_dir, epochs: int) -> None:
     langs = list(LANGUAGES)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6), dpi=80)
+    fig, axes = common.panel_grid(3, cols=1, height=2.8)
     for ax, direction in zip(axes[:2], ("t2a", "a2t"), strict=True):
         series = {
             m: [[100 * v for v in per_language(runs[m], direction, lg)] for lg in langs]
@@ -250,7 +249,7 @@ def plots(runs: dict[str, list[dict]], out_dir, epochs: int) -> None:
     axes[0].legend(fontsize=8, loc="upper center", ncol=len(METHODS))
     common.save_figure(fig, out_dir / "multilingual.png")
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), dpi=80)
+    fig, axes = common.panel_grid(2, cols=1, height=3.0)
     for ax, key, title in (
         (axes[0], "mrv", "MRV of T2A ranks across languages (lower: more consistent)"),
         (axes[1], "t2a_r1", "held-out T2A R@1, average over languages"),

@@ -752,28 +752,52 @@ def markdown(runs: list[dict], setup: dict[str, Any], seconds: float) -> str:
     return "\n".join(lines)
 
 
-def plots(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> None:
+# Three figures, each readable on its own at a docs column's width (~750 px): a size
+# of 7.5 x 4.2 in at 100 dpi and no text under 9 pt (12.5 px). Their captions and alt
+# texts go into the JSON ("figures"), where the docs' benchmark-results directive reads them.
+FIGSIZE, DPI = (7.5, 4.2), 100
+
+
+def plot_r1(runs: list[dict], out_dir: Path) -> dict[str, str]:
+    """Per arm: T2A R@1 on held-out descriptions, mean ± sd over seeds and each seed."""
     import matplotlib.pyplot as plt
 
     methods = [m for m in METHODS if values(runs, m, "t2a_R@1")]
-    languages = setup["languages"]
     chance = chance_of(runs)["t2a_R@1"]
-    val_sizes = list(setup.get("val_galleries", {}).values())
-    val_chance = sum(1 / n for n in val_sizes) / len(val_sizes) if val_sizes else math.nan
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2), dpi=80)
-    ax = axes[0]
+    fig, ax = plt.subplots(figsize=(FIGSIZE[0], 4.8), dpi=DPI)
+    means = {}
     for i, m in enumerate(methods):
         v = [100 * x for x in values(runs, m, "t2a_R@1")]
-        mean, std = common.mean_std(v)
-        ax.bar(i, mean, yerr=std, color=COLOURS[m], capsize=3)
-        ax.scatter([i] * len(v), v, color="k", s=8, zorder=3)
-    ax.axhline(100 * chance, color="k", ls=":", lw=1, label="chance")
-    ax.axhline(1000 * chance, color="tab:red", ls="--", lw=1, label="10 x chance")
-    ax.set_xticks(range(len(methods)), methods, rotation=40, ha="right", fontsize=8)
-    ax.set_title("held-out descriptions: T2A R@1 (%), seeds as dots", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    ax = axes[1]
+        means[m], std = common.mean_std(v)
+        ax.barh(i, means[m], xerr=std, color=COLOURS[m], capsize=3)
+        ax.scatter(v, [i] * len(v), color="k", s=10, zorder=3)
+    ax.axvline(100 * chance, color="k", ls=":", lw=1.2, label="chance")
+    ax.axvline(1000 * chance, color="tab:red", ls="--", lw=1.2, label="10 x chance")
+    ax.set_yticks(range(len(methods)), methods, fontsize=10)
+    ax.invert_yaxis()
+    ax.set_xlabel("T2A R@1 (%) on held-out descriptions", fontsize=10)
+    ax.tick_params(axis="x", labelsize=10)
+    ax.legend(fontsize=10, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    common.save_figure(fig, out_dir / f"{NAME}_r1.png")
+    listed = ", ".join(f"{m} {means[m]:.2f}" for m in methods)
+    return {
+        "caption": "Text-to-audio R@1 on held-out descriptions, per arm: the bar is the mean "
+        "over seeds, the error bar one standard deviation, the dots the seeds; the dotted "
+        "line is chance, the dashed line 10x chance.",
+        "alt": f"Horizontal bar chart of T2A R@1 in percent per arm, means: {listed}; "
+        f"chance {100 * chance:.2f}.",
+    }
+
+
+def plot_curves(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> dict[str, str]:
+    """Validation T2A R@1 per epoch, mean over seeds, for the multilingual arms."""
+    import matplotlib.pyplot as plt
+
+    val_sizes = list(setup.get("val_galleries", {}).values())
+    val_chance = sum(1 / n for n in val_sizes) / len(val_sizes) if val_sizes else math.nan
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    last = {}
     for m in ("random", "kcl", "cacl", "random_xK", "pairs_all"):
         mine = [r for r in runs if r["method"] == m]
         if not mine:
@@ -782,30 +806,69 @@ def plots(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> None:
         c = common.curves([{"v": r["curves"]["val_t2a"][:n]} for r in mine], "v")
         x = mine[0]["curves"]["epoch"][:n]
         ax.plot(x, [100 * v for v in c["mean"]], color=COLOURS[m], label=m, marker=".")
-    ax.axhline(100 * val_chance, color="k", ls=":", lw=1, label="chance (val)")
+        last[m] = 100 * c["mean"][-1]
+    ax.axhline(100 * val_chance, color="k", ls=":", lw=1.2, label="chance (val)")
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("epoch (random_xK: per K epochs)")
-    ax.set_title(
-        "validation T2A R@1 (%) during training, mean over seeds (smaller galleries)",
-        fontsize=9,
-    )
-    ax.legend(fontsize=8)
+    ax.set_xlabel("epoch (random_xK: per K epochs)", fontsize=10)
+    ax.set_ylabel("validation T2A R@1 (%)", fontsize=10)
+    ax.tick_params(labelsize=10)
+    ax.legend(fontsize=10, ncol=2)
     ax.grid(alpha=0.3)
-    ax = axes[2]
+    common.save_figure(fig, out_dir / f"{NAME}_curves.png")
+    listed = ", ".join(f"{m} {v:.2f}" for m, v in last.items())
+    return {
+        "caption": "Validation text-to-audio R@1 during training, mean over seeds, for the "
+        "baseline, KCL, CACL and the two compute-matched controls. The validation galleries "
+        "are smaller than the test galleries, so chance (dotted) is higher.",
+        "alt": f"Line chart of validation T2A R@1 in percent against epoch; at the last "
+        f"evaluation: {listed}; chance {100 * val_chance:.2f}.",
+    }
+
+
+def plot_languages(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> dict[str, str]:
+    """The baseline's T2A R@1 per spoken language (gallery) x caption language."""
+    import matplotlib.pyplot as plt
+
+    languages = setup["languages"]
     base = [r for r in runs if r["method"] == "random"]
     spoken = list(base[0]["spoken_x_caption"])
     grid = [
         [100 * common.mean_std([r["spoken_x_caption"][s][lg] for r in base])[0] for lg in languages]
         for s in spoken
     ]
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     im = ax.imshow(grid, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(languages)), [lg.split("_")[0] for lg in languages], fontsize=8)
-    ax.set_yticks(range(len(spoken)), [s.split("_")[0] for s in spoken], fontsize=8)
-    ax.set_xlabel("caption language")
-    ax.set_ylabel("spoken language (gallery)")
-    ax.set_title("random (baseline): T2A R@1 (%) by spoken x caption language", fontsize=9)
-    fig.colorbar(im, ax=ax)
-    common.save_figure(fig, out_dir / f"{NAME}.png")
+    top = max(max(row) for row in grid)
+    for y, row in enumerate(grid):
+        for x, v in enumerate(row):
+            colour = "k" if v > 0.6 * top else "w"
+            ax.text(x, y, f"{v:.1f}", ha="center", va="center", fontsize=9, color=colour)
+    ax.set_xticks(range(len(languages)), [lg.split("_")[0] for lg in languages], fontsize=10)
+    ax.set_yticks(range(len(spoken)), [s.split("_")[0] for s in spoken], fontsize=10)
+    ax.set_xlabel("caption language", fontsize=10)
+    ax.set_ylabel("spoken language (gallery)", fontsize=10)
+    fig.colorbar(im, ax=ax).ax.tick_params(labelsize=10)
+    common.save_figure(fig, out_dir / f"{NAME}_languages.png")
+    cells = [(v, s.split("_")[0], lg.split("_")[0]) for s, row in zip(spoken, grid, strict=True)
+             for lg, v in zip(languages, row, strict=True)]  # fmt: skip
+    hi, lo = max(cells), min(cells)
+    return {
+        "caption": "Random-language InfoNCE (the baseline): text-to-audio R@1 (%) per spoken "
+        "language of the gallery (rows) and caption language of the query (columns), mean "
+        "over seeds. Each gallery is one voice, so a row mixes language and speaker.",
+        "alt": f"Heat map of T2A R@1 in percent, {len(spoken)} spoken languages by "
+        f"{len(languages)} caption languages; highest {hi[0]:.1f} ({hi[1]} gallery, {hi[2]} "
+        f"captions), lowest {lo[0]:.1f} ({lo[1]} gallery, {lo[2]} captions).",
+    }
+
+
+def plots(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> dict[str, dict[str, str]]:
+    """Write the study's figures; returns ``{file name: {"caption", "alt"}}``."""
+    return {
+        f"{NAME}_r1.png": plot_r1(runs, out_dir),
+        f"{NAME}_curves.png": plot_curves(runs, setup, out_dir),
+        f"{NAME}_languages.png": plot_languages(runs, setup, out_dir),
+    }
 
 
 # ----------------------------------------------------------------------- main
@@ -910,8 +973,8 @@ def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, A
             seconds = max(r["finished_at"] for r in runs) - min(r["started_at"] for r in runs)
     md = markdown(runs, setup, seconds) + "\n" + PROBES + "\n" + INTERPRETATION
     print(md)
-    plots(runs, setup, args.out_dir)
-    results = {"chance": chance_of(runs), "runs": runs, "seconds": seconds}
+    figures = plots(runs, setup, args.out_dir)
+    results = {"chance": chance_of(runs), "runs": runs, "seconds": seconds, "figures": figures}
     common.save_study(args, NAME, md, setup, saved, results)
     return {"setup": setup, **results}
 

@@ -25,7 +25,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import common
-import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -235,7 +234,7 @@ def checks(runs: dict[str, list[dict]]) -> str:
 
 def plot(runs: dict[str, list[dict]], path) -> None:
     summary = {m: {k: common.curves(runs[m], k) for k in runs[m][0]} for m in METHODS}
-    fig, axes = plt.subplots(1, 5, figsize=(19, 3.4), dpi=80)
+    fig, axes = common.panel_grid(5)
     panels = [
         ("radius", "mean radius R (dashed: mean ||a - t||)", METHODS[1:]),
         ("radius_over_distance", "share of anchors with R > ||a - t||", METHODS[1:]),

@@ -15,8 +15,10 @@
   module that defines it (``contrastive_losses.functional.kcl`` ->
   ``contrastive_losses.kcl.kcl``).
 * **``.. benchmark-results:: NAME``** renders ``benchmarks/results/NAME.json`` (its
-  markdown tables), ``NAME.md`` and ``NAME*.png``; ``*`` renders every result that no
-  earlier directive on the page claimed. Absent results give a short note, not an error.
+  markdown tables), ``NAME.md`` and ``NAME*.png`` (captioned, with alt text, from the
+  JSON's ``figures``: ``{file name: {"caption": ..., "alt": ...}}``, else by file name);
+  ``*`` renders every result that no earlier directive on the page claimed. Absent
+  results give a short note, not an error.
 * **Example README.** The line ``<!-- examples/README.md -->`` in a Markdown page is
   replaced by the text of ``examples/README.md`` (headings one level down, image paths
   fixed, links to repository files made plain) when that file exists, else by a note.
@@ -256,6 +258,9 @@ def _markdown_table_to_rst(markdown: str, caption: str) -> list[str]:
     if not rows:
         return []
     width = max(len(r) for r in rows)
+    # A header like "search_faiss/bare" may wrap after its slash (a zero-width space),
+    # else a table of many such columns cannot fit the column.
+    rows[0] = [cell.replace("/", "/\u200b") for cell in rows[0]]
     out = [f".. list-table:: {caption}", "   :header-rows: 1", ""]
     for row in rows:
         row = row + [""] * (width - len(row))
@@ -306,7 +311,9 @@ class BenchmarkResults(SphinxDirective):
         self, results: Path, docdir: Path, stem: str, stems: list[str], with_titles: bool
     ) -> list[str]:
         rel = Path(os.path.relpath(results, docdir)).as_posix()
-        lines = _title(stem, "-") if with_titles else []
+        # A titled result gets a label to cite it by: ``:ref:`results-studies-svr```.
+        label = "-".join(["results", *results.relative_to(self.config.cl_results_dir).parts, stem])
+        lines = [f".. _{label}:", "", *_title(stem, "-")] if with_titles else []
         json_path, md_path = results / f"{stem}.json", results / f"{stem}.md"
         longer = [s for s in stems if s != stem and s.startswith(stem)]
         pngs = sorted(
@@ -320,6 +327,7 @@ class BenchmarkResults(SphinxDirective):
                 f"   Not run in this checkout: ``benchmarks/results/{stem}.json`` is absent.",
                 "",
             ]
+        payload: dict[str, Any] = {}
         if json_path.exists():
             self.env.note_dependency(str(json_path))
             payload = json.loads(json_path.read_text(encoding="utf-8"))
@@ -337,9 +345,21 @@ class BenchmarkResults(SphinxDirective):
         if md_path.exists():
             self.env.note_dependency(str(md_path))
             lines += [f".. include:: {rel}/{stem}.md", "   :parser: myst_parser.sphinx_", ""]
+        figures = payload.get("figures", {})
+        order = list(figures)  # the study's own order first (its main figure), then by name
+        pngs.sort(key=lambda p: (order.index(p.name) if p.name in order else len(order), p.name))
         for png in pngs:
-            lines += [f".. figure:: {rel}/{png.name}", "   :width: 100%", "", f"   {png.name}", ""]
+            lines += _figure(f"{rel}/{png.name}", figures.get(png.name) or {})
         return lines
+
+
+def _figure(path: str, meta: dict[str, str]) -> list[str]:
+    """A results PNG with the caption and alt text its JSON's ``figures`` gives (else its
+    file name): a study says what each figure shows where it draws it."""
+    name = path.rsplit("/", 1)[-1]
+    caption = meta.get("caption", name)
+    alt = meta.get("alt", caption)
+    return [f".. figure:: {path}", "   :width: 100%", f"   :alt: {alt}", "", f"   {caption}", ""]
 
 
 # ----------------------------------------------------------------------------- example README

@@ -368,7 +368,7 @@ def representation_drift_mismatch(
     .. math::
 
         \text{RDM} = \frac1N \sum_n d\big(\hat f_{\theta_t}(x_n), \hat f_{\theta_s}(x_n)\big),
-        \qquad d(p, q) = 1 - \langle p, q\rangle \;\; (\texttt{"cosine"})
+        \\ d(p, q) = 1 - \langle p, q\rangle \;\; (\texttt{"cosine"})
         \;\text{ or }\; \lVert p - q\rVert_2 \;\; (\texttt{"l2"}).
 
     Zero right after :meth:`KnowledgeBank.refresh`; grows as the encoder drifts.

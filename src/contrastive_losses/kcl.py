@@ -94,7 +94,7 @@ def kcl(
         \mathcal{L}_{a2t} = -\sum_{k=1}^K \sum_{i=1}^N
             \log \frac{e^{s(a_i, t_{ik})}}{\sum_j e^{s(a_i, t_{jk})}}, \quad
         \mathcal{L}_{t2a} = -\sum_{k=1}^K \sum_{i=1}^N
-            \log \frac{e^{s(t_{ik}, a_i)}}{\sum_j e^{s(t_{ik}, a_j)}}, \quad
+            \log \frac{e^{s(t_{ik}, a_i)}}{\sum_j e^{s(t_{ik}, a_j)}}, \\
         \mathcal{L} = \frac{\mathcal{L}_{a2t} + \mathcal{L}_{t2a}}{2NK},
 
     i.e. the mean over languages of the symmetric InfoNCE. ``negatives="all_languages"``

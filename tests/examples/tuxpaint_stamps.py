@@ -7,12 +7,11 @@ description) and, for some stamps, a sound effect ``X.ogg``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+from helpers import load_file_module
 
 BUILDER = Path(__file__).resolve().parents[2] / "examples" / "data_builders" / "tuxpaint.py"
 
@@ -29,15 +28,7 @@ SPOKEN = ("en", "fr", "ru")
 
 def load_builder() -> ModuleType:
     """``examples/data_builders/tuxpaint.py`` as a module (the folder is not a package)."""
-    name = "tuxpaint_builder"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BUILDER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module("tuxpaint_builder", BUILDER)
 
 
 def tone(path: Path, freq: float, seconds: float = 0.3, sr: int = 22050) -> None:
