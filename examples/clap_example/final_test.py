@@ -91,7 +91,7 @@ def evaluate_test(t: Trainer, selection: dict[str, Any]) -> dict[str, Any]:
     args = t.args
     clips = read_eval_manifest(args, args.test_manifest, t.languages)
     check_clips(args, clips, 0, 1)
-    if selection["step"] is not None:
+    if selection.get("step") is not None:
         load_best(t, selection)
         model, epoch, step = "best/", selection["epoch"], selection["step"]
     else:
