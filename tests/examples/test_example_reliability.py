@@ -456,14 +456,13 @@ def copy_manifest_with(src: Path, dst: Path, line: int, audio: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("kind", ["garbage", "truncated", "nan"])
-def test_bad_test_audio_fails_before_training(
-    tmp_path: Path, cfg: dict[str, Any], synthetic_data: dict[str, Path], kind: str
-) -> None:
-    bad = tmp_path / ("bad.flac" if kind == "truncated" else "bad.wav")
+def bad_audio(directory: Path, kind: str) -> Path:
+    """An audio file that cannot be used: ``garbage``, ``truncated`` (the header intact,
+    decoding fails half-way) or ``nan`` (a non-finite sample)."""
+    bad = directory / ("bad.flac" if kind == "truncated" else "bad.wav")
     if kind == "garbage":
         bad.write_bytes(b"RIFF" + os.urandom(2000))
-    elif kind == "truncated":  # the header is intact, decoding fails half-way
+    elif kind == "truncated":
         noise = np.random.default_rng(0).standard_normal(64000).astype(np.float32) * 0.1
         sf.write(str(bad), noise, 16000)
         bad.write_bytes(bad.read_bytes()[:50000])
@@ -471,16 +470,43 @@ def test_bad_test_audio_fails_before_training(
         wave = np.zeros(16000, dtype=np.float32)
         wave[100] = np.nan
         sf.write(str(bad), wave, 16000, subtype="FLOAT")
-    manifest = copy_manifest_with(synthetic_data["test"], tmp_path / "test.jsonl", 5, bad)
-    line = next(
+    return bad
+
+
+def manifest_line(manifest: Path, audio: Path) -> int:
+    return next(
         i
         for i, text in enumerate(manifest.read_text().splitlines(), start=1)
-        if json.loads(text)["audio_path"] == str(bad)
+        if json.loads(text)["audio_path"] == str(audio)
     )
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated", "nan"])
+def test_bad_validation_audio_fails_before_training(
+    tmp_path: Path, cfg: dict[str, Any], synthetic_data: dict[str, Path], kind: str
+) -> None:
+    bad = bad_audio(tmp_path, kind)
+    manifest = copy_manifest_with(synthetic_data["val"], tmp_path / "val.jsonl", 5, bad)
+    line = manifest_line(manifest, bad)
     out = tmp_path / "run"
     with pytest.raises(ManifestError, match=rf"{manifest}:{line}: .*{bad.name}"):
-        run(out, cfg, test_manifest=str(manifest))
+        run(out, cfg, val_manifest=str(manifest))
     assert not (out / "train_log.jsonl").exists()  # before any training step
+
+
+def test_bad_test_audio_fails_before_the_test_evaluation(
+    tmp_path: Path, cfg: dict[str, Any], synthetic_data: dict[str, Path]
+) -> None:
+    """The test set is read after the training (``final_test``): --check-audio checks its
+    clips then, before its one evaluation, naming the line; the run's files stay."""
+    bad = bad_audio(tmp_path, "truncated")
+    manifest = copy_manifest_with(synthetic_data["test"], tmp_path / "test.jsonl", 5, bad)
+    line = manifest_line(manifest, bad)
+    out = tmp_path / "run"
+    with pytest.raises(ManifestError, match=rf"{manifest}:{line}: .*{bad.name}"):
+        run(out, cfg, epochs=1, test_manifest=str(manifest))
+    assert len(rows(out / "train_log.jsonl")) == 4 and (out / "best" / "state.pt").is_file()
+    assert not (out / "summary.json").exists()
 
 
 def test_check_audio_off_skips_the_pass(
