@@ -177,6 +177,20 @@ def test_a_bad_test_set_fails_at_the_end_and_resume_repeats_only_the_test(
     assert json.loads((out / "summary.json").read_text())["test"] == result["test"]
 
 
+def test_a_best_model_of_another_step_is_refused(
+    tmp_path: Path, base_config: dict[str, Any], test_copy: Path
+) -> None:
+    """The test set is evaluated on best/ only when best/ holds the step the run chose."""
+    out = tmp_path / "run"
+    run(out, base_config, loss="infonce", epochs=1, test_manifest=str(test_copy))
+    state = torch.load(out / "best" / "state.pt", weights_only=True)
+    torch.save({**state, "step": 99}, out / "best" / "state.pt")
+    (out / "summary.json").unlink()  # the run looks killed in its test evaluation
+    with pytest.raises(ValueError, match="holds step 99, but the run's history chose step 4"):
+        run(out, base_config, loss="infonce", epochs=1, test_manifest=str(test_copy),
+            resume="auto")  # fmt: skip
+
+
 def test_the_test_manifest_is_checked_to_exist_and_differ_from_val(
     tmp_path: Path, base_config: dict[str, Any]
 ) -> None:
