@@ -10,7 +10,7 @@ comparison, exactly as :func:`~contrastive_losses.functional.info_nce` makes it)
 a whole training step of the loss (forward + backward, checks on, the exchange
 included), both ranks running the same interleaved rounds; ratio = exchange / step.
 The header's all_gather alone is also timed at its length before issue 29 (75 longs)
-and now (123 longs).
+and now (131 longs: issue 33 added a grad bit to each tensor's slot).
 
     PYTHONPATH=src python benchmarks/bench_rank_exchange.py [--quick]
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import runpy
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -112,10 +114,13 @@ def _import_main(package: types.ModuleType) -> dict[str, Any]:
     return {n: getattr(package, n) for n in ("create_model_and_transforms", "create_loss")}
 
 
-def _train(names: dict[str, Any], steps: int = 6, siglip: bool = False) -> dict[str, Any]:
-    """open_clip_train.main's order and train loop (accum_freq=1, the clamp); SGD, which
-    shows a gradient change that AdamW's first step (+-lr) may hide."""
+def _train(names: dict[str, Any], steps: int = 6, siglip: bool = False,
+           seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """open_clip_train.main's order and train loop (its ``random_seed(args.seed, 0)``
+    before the model, accum_freq=1, the clamp); SGD, which shows a gradient change that
+    AdamW's first step (+-lr) may hide."""
     model_kwargs = {"init_logit_bias": -10} if siglip else {}
+    torch.manual_seed(seed)
     model, _, _ = names["create_model_and_transforms"]("tiny", output_dict=True, **model_kwargs)
     params = [p for _, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
@@ -174,7 +179,8 @@ def test_svr_terms_are_logged_and_sum_to_the_regularised_loss(fake_open_clip):
     oct.install(svr={"radius": "dynamic", "alpha": 0.5, "beta": 0.1})
     run = _train(_import_main(fake_open_clip.package), steps=1)
     (entry,) = run["logged"]
-    assert set(entry) == {"contrastive_loss", "svr_loss", "svr_constraint_loss"}
+    assert set(entry) == {"contrastive_loss", "svr_loss", "svr_constraint_loss",
+                          "radius_mean", "radius_over_distance"}  # fmt: skip
     # the same first step by hand: the regulariser on the tiny model's first batch
     model, _, _ = fake_open_clip.factory.create_model_and_transforms("tiny")
     regulariser = SupportVectorRegularizer(
@@ -187,6 +193,8 @@ def test_svr_terms_are_logged_and_sum_to_the_regularised_loss(fake_open_clip):
     assert entry["contrastive_loss"] == pytest.approx(terms["base"].item(), abs=1e-6)
     assert entry["svr_loss"] == pytest.approx(0.5 * terms["svr"].item(), abs=1e-6)
     assert entry["svr_constraint_loss"] == pytest.approx(0.1 * terms["constraint"].item(), abs=1e-6)
+    for name in ("radius_mean", "radius_over_distance"):  # logged, not added to the loss
+        assert entry[name] == pytest.approx(terms[name].item(), abs=1e-6)
     assert run["totals"][0] == pytest.approx(loss.item(), abs=1e-6)
 
 
@@ -194,7 +202,66 @@ def test_fixed_radius_logs_the_svr_term_and_adds_no_parameters(fake_open_clip):
     installed = oct.install(svr={"radius": 0.05})
     run = _train(_import_main(fake_open_clip.package), steps=1)
     assert installed.radius is None and not hasattr(run["model"], oct.SUBMODULE)
-    assert set(run["logged"][0]) == {"contrastive_loss", "svr_loss"}
+    assert set(run["logged"][0]) == {"contrastive_loss", "svr_loss", "radius_mean",
+                                     "radius_over_distance"}  # fmt: skip
+    assert run["logged"][0]["radius_mean"] == pytest.approx(0.05)
+    summed = run["logged"][0]["contrastive_loss"] + run["logged"][0]["svr_loss"]
+    assert run["totals"][0] == pytest.approx(summed, abs=1e-6)
+
+
+def _predictor_run(package: types.ModuleType, before: int, seed: int) -> dict[str, Any]:
+    """``install(svr={"radius": "dynamic"})`` after the RNG was left at ``before`` (other
+    code ran first), then open_clip's order with ``--seed seed``: the predictor's initial
+    weights (a copy, taken when the model is built) and the run."""
+    torch.manual_seed(before)
+    torch.rand(before + 1)
+    installed = oct.install(svr={"radius": "dynamic"})
+    names = _import_main(package)
+    start: dict[str, torch.Tensor] = {}
+    create = names["create_model_and_transforms"]
+
+    def create_and_copy(*args: Any, **kwargs: Any) -> Any:
+        built = create(*args, **kwargs)
+        start.update({k: v.clone() for k, v in installed.radius.state_dict().items()})
+        return built
+
+    run = _train({**names, "create_model_and_transforms": create_and_copy},
+                 steps=4, seed=seed)  # fmt: skip
+    installed.uninstall()
+    return {"start": start, **run}
+
+
+def test_same_seed_gives_the_same_predictor_and_losses(fake_open_clip):
+    """The predictor is drawn from open_clip's seed when the model is built, not from
+    whatever the RNG held at install(): two runs with the same seed start from the same
+    weights and give the same losses; another seed, other weights."""
+    first = _predictor_run(fake_open_clip.package, before=1, seed=3)
+    second = _predictor_run(fake_open_clip.package, before=2, seed=3)
+    other = _predictor_run(fake_open_clip.package, before=1, seed=4)
+    assert first["start"].keys() == second["start"].keys()
+    for key, value in first["start"].items():
+        assert torch.equal(value, second["start"][key]), key
+    assert first["totals"] == second["totals"] and first["logged"] == second["logged"]
+    assert not torch.equal(first["start"]["predictor.mlp.0.weight"],
+                           other["start"]["predictor.mlp.0.weight"])  # fmt: skip
+    # the weights a regulariser built right after torch.manual_seed(3) gets
+    torch.manual_seed(3)
+    fresh = SupportVectorRegularizer(drop_ins.InfoNCELoss(normalize=False), radius="dynamic")
+    for key, value in fresh.predictor.state_dict().items():
+        assert torch.equal(first["start"]["predictor." + key], value), key
+
+
+def test_building_the_model_leaves_the_global_rng_as_open_clip_left_it(fake_open_clip):
+    create = fake_open_clip.package.create_model_and_transforms
+    torch.manual_seed(5)
+    create("tiny")
+    expected = torch.rand(4)
+    installed = oct.install(svr={"radius": "dynamic"})
+    assert fake_open_clip.package.create_model_and_transforms is not create
+    torch.manual_seed(5)
+    model, _, _ = fake_open_clip.package.create_model_and_transforms("tiny")
+    assert installed.models == [model]
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
 
 
 def _one_step(factory: types.ModuleType, ids: torch.Tensor | None) -> list[torch.Tensor]:
@@ -243,6 +310,84 @@ def test_install_after_the_trainer_imported_and_uninstall(fake_open_clip):
     installed.uninstall()
     assert names["create_model_and_transforms"] is originals["create_model_and_transforms"]
     assert fake_open_clip.factory.ClipLoss is factory_clip
+
+
+def _patched_names(fake: types.SimpleNamespace) -> dict[str, Any]:
+    return {name: getattr(module, name) for module in (fake.factory, fake.package)
+            for name in ("ClipLoss", "SigLipLoss", "DistillClipLoss", "CoCaLoss",
+                         "create_model_and_transforms") if hasattr(module, name)}  # fmt: skip
+
+
+def _racing(threads: int, action: Any) -> list[Any]:
+    """``action()`` in ``threads`` threads released at once; each one's result or error."""
+    barrier = threading.Barrier(threads)
+    results: list[Any] = [None] * threads
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = action()
+        except Exception as error:  # the test counts them
+            results[i] = error
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert not any(worker.is_alive() for worker in workers), "a thread hung"
+    return results
+
+
+@pytest.fixture
+def fast_switching() -> Any:
+    """Switch threads every microsecond, so that an unlocked install races."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(interval)
+
+
+def test_concurrent_installs_give_exactly_one(fake_open_clip, fast_switching):
+    original = _patched_names(fake_open_clip)
+    for trial in range(200):
+        results = _racing(8, lambda: oct.install(svr={"radius": "static"}))
+        installed = [r for r in results if isinstance(r, oct.Installation)]
+        errors = [r for r in results if not isinstance(r, oct.Installation)]
+        assert len(installed) == 1, f"trial {trial}: {len(installed)} installs"
+        assert all(isinstance(e, ValueError) and "already installed" in str(e)
+                   for e in errors), errors  # fmt: skip
+        assert oct._active == installed
+        installed[0].uninstall()
+        assert _patched_names(fake_open_clip) == original, f"trial {trial}: left patched"
+        assert oct._active == []
+
+
+def test_concurrent_install_and_uninstall_leave_open_clip_unpatched(fake_open_clip,
+                                                                    fast_switching):  # fmt: skip
+    """Threads that each install and uninstall as often as they can, and threads that
+    uninstall the same installation at once: open_clip ends unpatched every time."""
+    original = _patched_names(fake_open_clip)
+
+    def install_then_uninstall() -> int:
+        done = 0
+        for _ in range(20):
+            try:
+                installed = oct.install()
+            except ValueError:
+                continue
+            installed.uninstall()
+            done += 1
+        return done
+
+    for trial in range(50):
+        results = _racing(8, install_then_uninstall)
+        assert all(isinstance(r, int) for r in results) and sum(results) >= 1, results
+        assert _patched_names(fake_open_clip) == original, f"trial {trial}: left patched"
+        assert oct._active == []
+        installed = oct.install()
+        assert _racing(8, installed.uninstall) == [None] * 8
+        assert _patched_names(fake_open_clip) == original and oct._active == []
 
 
 def test_distillation_and_coca_refuse(fake_open_clip):
@@ -311,7 +456,9 @@ def _real_trainer_importable() -> bool:
 )
 def test_real_open_clip_trainer_trains_the_dynamic_radius(tmp_path, monkeypatch):
     """The docs' by-hand check (docs/snippets/open_clip_trainer_check.py), one epoch:
-    open_clip_train.main with ``install(svr={"radius": "dynamic"})`` on 128 real PNGs."""
+    open_clip_train.main with ``install(svr={"radius": "dynamic"})`` on 128 real PNGs,
+    twice with ``--seed 0`` in one process (the RNG moved on by the first run): the same
+    predictor at the start and the same losses."""
     check = runpy.run_path(str(Path(__file__).resolve().parents[1] / "docs" / "snippets"
                                / "open_clip_trainer_check.py"))  # fmt: skip
     monkeypatch.chdir(tmp_path)
@@ -320,20 +467,34 @@ def test_real_open_clip_trainer_trains_the_dynamic_radius(tmp_path, monkeypatch)
              "--csv-caption-key", "title", "--csv-separator", "\t",
              "--train-num-samples", "128", "--model", "cl-tiny", "--batch-size", "16",
              "--epochs", "1", "--lr", "1e-3", "--precision", "fp32", "--workers", "0",
-             "--device", "cpu", "--log-every-n-steps", "1", "--logs", "logs",
-             "--name", "svr"]  # fmt: skip
+             "--device", "cpu", "--seed", "0", "--log-every-n-steps", "1",
+             "--logs", "logs"]  # fmt: skip
+    handlers = list(logging.root.handlers)
+    results, logs = [], []
     try:
-        check["run"]("svr", flags)
+        for name in ("svr", "svr_again"):
+            check["run"]("svr", [*flags, "--name", name])
+            for active in list(oct._active):
+                active.uninstall()
+            results.append(json.loads((tmp_path / "svr.json").read_text()))
+            logs.append((tmp_path / "logs" / name / "out.log").read_text())
+            for handler in set(logging.root.handlers) - set(handlers):  # open_clip's
+                logging.root.removeHandler(handler)
+                handler.close()
     finally:
         for active in list(oct._active):
             active.uninstall()
-    result = json.loads((tmp_path / "svr.json").read_text())
+    result, again = results
     assert len(result["losses"]) == 8
-    assert all(set(step) == {"contrastive_loss", "svr_loss", "svr_constraint_loss"}
+    assert all(set(step) == {"contrastive_loss", "svr_loss", "svr_constraint_loss",
+                             "radius_mean", "radius_over_distance"}
                for step in result["losses"])  # fmt: skip
     assert len(result["radius_parameters"]) == 6  # the predictor's, on the model
     assert all(change > 0 for change in result["radius_change"].values()), result
     saved = torch.load(tmp_path / "logs" / "svr" / "checkpoints" / "epoch_1.pt")
     assert set(result["radius_parameters"]) <= set(saved["state_dict"])
-    log = (tmp_path / "logs" / "svr" / "out.log").read_text()
-    assert log.count("Svr_loss") == 8 and "Svr_constraint_loss" in log
+    for log in logs:
+        assert log.count("Svr_loss") == 8 and "Svr_constraint_loss" in log
+        assert log.count("Radius_mean") == 8 and "Radius_over_distance" in log
+    assert again["radius_start"] == result["radius_start"]
+    assert again["losses"] == result["losses"]

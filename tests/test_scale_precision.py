@@ -6,7 +6,8 @@ rounded a float16 scale and whose gradient ``-g / s**2`` overflowed. Here: the d
 against open_clip's own ``loss.py`` with half-precision scales (to 1e-6) and features (to
 open_clip's own precision), finite scale gradients where open_clip's are, the dense and
 tiled paths equal in half precision, ``ClipLoss`` checking ``logit_bias``, and a fixed
-temperature that the Module applies exactly as the functional form does.
+temperature that the Module applies exactly as the functional form does, and the
+regulariser's SVR term as exact as its base in float64 (issue 33).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from open_clip_reference import load_open_clip_loss
 
-from contrastive_losses import CACLLoss, InfoNCELoss, KCLLoss
+from contrastive_losses import CACLLoss, InfoNCELoss, KCLLoss, SupportVectorRegularizer
 from contrastive_losses import functional as CF
 from contrastive_losses.integrations.open_clip import ClipLoss, SigLipLoss
 
@@ -198,3 +199,48 @@ def test_fixed_temperature_follows_a_loaded_or_written_buffer():
     torch.testing.assert_close(loss_fn.temperature, torch.tensor(0.2))
     torch.testing.assert_close(loss_fn(a, t), CF.info_nce(a, t, temperature=0.2), rtol=1e-7, atol=0)
     assert "temperature=0.2," in repr(loss_fn)
+
+
+@pytest.mark.parametrize("radius", [0.2, "static"])
+@pytest.mark.parametrize("double", [False, True], ids=["float32 module", "double()"])
+def test_svr_uses_its_bases_fixed_temperature_exactly_in_float64(radius, double):
+    """The SVR term read the base's fixed temperature at float32 precision (0.05 as
+    0.0500000007): ``SVR(InfoNCELoss(temperature=0.05))`` was 1.3e-8 off the same loss
+    given ``logit_scale=20`` with float64 inputs. Now equal to 1e-15, values and
+    gradients."""
+    a, t = _pair64()
+    fixed = SupportVectorRegularizer(InfoNCELoss(temperature=0.05), radius=radius)
+    scaled = SupportVectorRegularizer(InfoNCELoss(), radius=radius)
+    if double:
+        fixed, scaled = fixed.double(), scaled.double()
+    args = [x.clone().requires_grad_() for x in (a, t)]
+    ref_args = [x.clone().requires_grad_() for x in (a, t)]
+    loss, terms = fixed(*args, return_terms=True)
+    scale = torch.tensor(20.0, dtype=torch.float64)
+    ref, ref_terms = scaled(*ref_args, logit_scale=scale, return_terms=True)
+    torch.testing.assert_close(terms["svr"], ref_terms["svr"], rtol=1e-15, atol=0)
+    torch.testing.assert_close(loss, ref, rtol=1e-15, atol=0)
+    grads, ref_grads = torch.autograd.grad(loss, args), torch.autograd.grad(ref, ref_args)
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-14, atol=1e-17)
+
+
+@pytest.mark.parametrize("double", [False, True], ids=["float32 module", "double()"])
+def test_svr_fixed_radius_is_exact_in_float64(double):
+    """A fixed radius of 0.2 was used as its float32 buffer (0.2000000030): now the
+    Python float, as ``support_vector_term`` takes it (equal to 1e-15); a value loaded or
+    written into the buffer is adopted, as a fixed temperature's."""
+    a, t = _pair64()
+    loss_fn = SupportVectorRegularizer(
+        InfoNCELoss(temperature=0.05), radius=0.2, direction="uni", constraint=False
+    )
+    if double:
+        loss_fn = loss_fn.double()
+    _, terms = loss_fn(a, t, return_terms=True)
+    ref = 0.5 * CF.support_vector_term(t, a, 0.2, 0.05)  # text anchors, one direction of 2
+    torch.testing.assert_close(terms["svr"], ref, rtol=1e-15, atol=0)
+    assert "radius='fixed' (0.2)" in repr(loss_fn)
+    with torch.no_grad():
+        loss_fn.radius.fill_(0.3)
+    _, terms = loss_fn(a, t, return_terms=True)
+    ref = 0.5 * CF.support_vector_term(t, a, float(loss_fn.radius), 0.05)
+    torch.testing.assert_close(terms["svr"], ref, rtol=1e-15, atol=0)

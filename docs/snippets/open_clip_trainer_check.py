@@ -72,12 +72,14 @@ def run(mode: str, argv: list[str]) -> None:
         from contrastive_losses.integrations.open_clip_train import install
 
         installed = install(svr={"radius": "dynamic"} if mode == "svr" else None)
-        if installed.radius is not None:
-            start = copy.deepcopy(installed.radius.state_dict())
     record = []
     create_loss = trainer.create_loss
 
     def recording_create_loss(args):
+        nonlocal start
+        if installed is not None and installed.radius is not None:
+            # the radius's initial values, drawn from --seed when the model was built
+            start = copy.deepcopy(installed.radius.state_dict())
         loss = create_loss(args)
         forward = loss.forward
 
@@ -100,6 +102,7 @@ def run(mode: str, argv: list[str]) -> None:
             n for n, _ in model.named_parameters() if n.startswith("contrastive_losses_svr")
         ]
         result["radius_change"] = {k: (end[k] - start[k]).abs().max().item() for k in end}
+        result["radius_start"] = {k: v.flatten().tolist() for k, v in start.items()}
         print("radius parameters on the model:", result["radius_parameters"])
         print("max |change| per tensor:", result["radius_change"])
     Path(f"{mode}.json").write_text(json.dumps(result, indent=1))

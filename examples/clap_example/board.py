@@ -37,13 +37,19 @@ class ScalarBoard:
 
     def __init__(self, folder: RunFolder, resume_step: int | None) -> None:
         writer = summary_writer_class()
-        directory = folder.dir(folder.root / "tensorboard", create=True)
-        assert directory is not None
-        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        directory = folder.root / "tensorboard"
+        #: The directory's descriptor, held while the writer runs: the writer opens its files
+        #: by path, so it is given ``/proc/self/fd/N`` (Linux), the directory that was checked,
+        #: even should ``tensorboard/`` be swapped for a link later.
+        self.fd = folder.open_dir(directory, create=True)
+        for entry in sorted(os.scandir(self.fd), key=lambda e: e.name):
             mode = entry.stat(follow_symlinks=False).st_mode
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # the writer would follow it
+                os.close(self.fd)
                 raise refusal(directory / entry.name, kind(mode))
-        self.writer = writer(str(directory), purge_step=resume_step)
+        held = f"/proc/self/fd/{self.fd}"
+        logdir = held if os.path.isdir(held) else str(directory)
+        self.writer = writer(logdir, purge_step=resume_step)
 
     def step(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
@@ -61,3 +67,4 @@ class ScalarBoard:
 
     def close(self) -> None:
         self.writer.close()
+        os.close(self.fd)

@@ -23,7 +23,7 @@ import os
 import pickle
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import from_main
-from .durable import TMP_PREFIX, fsync_dir, warn
+from .durable import TMP_PREFIX, warn
 from .manifest import CheckpointError, read_verified, verify, write_manifest
 from .run_folder import MAX_LATEST_BYTES, MAX_SUMMARY_BYTES, RunFolder, RunFolderError
 
@@ -180,15 +180,19 @@ def usable(directory: Path, root: Path | None = None, rank: int = 0) -> ResumePo
     return ResumePoint(directory, manifest, state, rng)
 
 
-def find_resume_point(checkpoints: Path, resume: str | None) -> ResumePoint | None:
+def find_resume_point(
+    checkpoints: Path, resume: str | None, refused: Mapping[str, str] | None = None
+) -> ResumePoint | None:
     """The checkpoint ``--resume`` starts from, verified; ``None``: start afresh.
 
     ``--resume DIR``: that checkpoint or an error. ``--resume auto``: what ``latest`` names;
     when it is absent, garbled, a link, or names a checkpoint that is damaged, not loadable or
     whose manifest lists anything but plain files of its own folder, the newest usable one
     (with a warning naming what was wrong); an error when checkpoints exist but none is
-    usable. Reads only: nothing is written or deleted here.
+    usable. ``refused``: checkpoints (by name) another rank could not verify, with why; they
+    are passed over as damaged ones are. Reads only: nothing is written or deleted here.
     """
+    refused = refused or {}
     if not resume:
         return None
     if resume != "auto":
@@ -207,13 +211,18 @@ def find_resume_point(checkpoints: Path, resume: str | None) -> ResumePoint | No
     name, problem = read_latest(checkpoints)
     problems = [problem] if problem else []
     missing = f"{checkpoints / 'latest'} is missing"
-    if name is not None:
+    if name in refused:
+        problems.append(refused[name])
+    elif name is not None:
         try:
             return usable(checkpoints / name, root)
         except CheckpointError as err:
             problems.append(str(err))
     for directory in complete_checkpoints(checkpoints):
         if directory.name == name:
+            continue
+        if directory.name in refused:
+            problems.append(refused[directory.name])
             continue
         try:
             point = usable(directory, root)
@@ -380,15 +389,14 @@ class CheckpointStore:
                 dist.barrier()
             if self.is_main:
                 self.folder.torch_save(state(), tmp / "state.pt")
-                write_manifest(tmp, name, meta)
-                os.rename(tmp, directory)
+                write_manifest(self.folder, tmp, name, meta)
+                self.folder.rename(tmp, directory)  # and fsyncs the checkpoints directory
         except Exception:
             self.folder.remove(
                 tmp
             )  # a full disk: leave no half checkpoint (a kill: the next start)
             raise
         if self.is_main:
-            fsync_dir(self.dir)
             before_publish()
             self.folder.write_text(self.dir / "latest", name)
             self.prune(name)
@@ -417,17 +425,66 @@ class CheckpointStore:
 def resume_point(
     out: Path, args: argparse.Namespace, is_main: bool, world: int
 ) -> ResumePoint | None:
-    """The verified checkpoint to start from (rank 0 decides, every rank gets the same answer
-    or the same error), after checking the output directory and the options that changed."""
+    """The verified checkpoint to start from, after checking the output directory and the
+    options that changed: rank 0 chooses it, every other rank verifies and loads its own
+    files of it, and every rank gets the same answer or the same error. A checkpoint that
+    another rank could not verify is passed over on every rank together: ``--resume auto``
+    falls back to the next intact one, ``--resume DIR`` stops with that rank's error (not
+    one rank raising while rank 0 waits in its next collective)."""
+    refused: dict[str, str] = {}
+    while True:
+        point = _choose_point(out, args, is_main, world, refused)
+        problem = _verified_on_every_rank(point, is_main, world)
+        if point is None or problem is None:
+            return point
+        if args.resume != "auto":
+            raise CheckpointError(f"--resume {args.resume}: {problem}")
+        refused[point.directory.name] = problem  # rank 0 warns as it falls back
+
+
+def _verified_on_every_rank(point: ResumePoint | None, is_main: bool, world: int) -> str | None:
+    """Each rank but 0 (which chose ``point``) verifies and loads ``state.pt`` and its own
+    RNG file, kept in ``point`` for the resume; one all-reduce of an ok flag tells every
+    rank whether all could. ``None`` when all did, else every failing rank's error."""
+    if point is None or world == 1:
+        return None
+    problem = None
+    if not is_main:
+        rank = dist.get_rank()
+        try:
+            state = load_verified(point.directory, "state.pt", point.manifest, REQUIRED_STATE)
+            name = f"rng-rank{rank}.pt"
+            if name in point.manifest["files"]:
+                point.rng = load_verified(point.directory, name, point.manifest, REQUIRED_RNG)
+            point.state = state
+        except CheckpointError as err:
+            problem = f"rank {rank}: {str(err).removeprefix('--resume: ')}"
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+    ok = torch.tensor([int(problem is None)], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if bool(ok):
+        return None
+    problems: list[Any] = [None] * world
+    dist.all_gather_object(problems, problem)
+    return "; ".join(p for p in problems if p)
+
+
+def _choose_point(
+    out: Path, args: argparse.Namespace, is_main: bool, world: int, refused: dict[str, str]
+) -> ResumePoint | None:
+    """Rank 0's choice (verified, its files loaded; the others get where and the manifest),
+    or its error on every rank."""
     from .startup import output_dir_problem
 
     answer: tuple[str, Any] = ("ok", None)
+    point = None
     if is_main:
         try:
             problem = output_dir_problem(out, args)
             if problem:
                 raise FileExistsError(problem)
-            point = find_resume_point(out / "checkpoints", args.resume)
+            point = find_resume_point(out / "checkpoints", args.resume, refused)
             if point is not None:
                 saved = point.manifest.get("args", {})
                 current = json.loads(json.dumps(vars(args), default=str))

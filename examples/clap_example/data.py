@@ -18,13 +18,14 @@ and resumes exactly mid-epoch.
 from __future__ import annotations
 
 import csv
-import io
 import math
 import os
+import stat
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from torch.utils.data import Dataset, Sampler
 
 from . import safe_json
 from .ced import SAMPLE_RATE
+from .descriptors import NotRegularFile, kind, open_regular
 from .sonar import canonical_language
 
 REQUIRED_COLUMNS = ("audio_path", "audio_id", "caption", "language")
@@ -57,45 +59,105 @@ class Clip:
 
 #: Longest accepted manifest field (characters); longer ones are almost surely a broken row.
 MAX_FIELD_CHARS = 4096
+#: Longest accepted manifest line, or CSV row spread over several lines (bytes): four fields
+#: of :data:`MAX_FIELD_CHARS` characters, escaped, fit many times over. Reading stops one byte
+#: past it, so no line, however long, is held in memory whole.
+MAX_LINE_BYTES = 1 << 20
+_BOM = b"\xef\xbb\xbf"
 
 
-def _line_of(data: bytes, offset: int) -> int:
-    return data.count(b"\n", 0, offset) + 1
+class _ManifestLines:
+    """The manifest's lines, decoded one at a time from one descriptor (``O_NONBLOCK``,
+    checked by ``fstat``); each line (and each CSV row) is capped at ``max_bytes``. UTF-8 with
+    or without a BOM; a NUL byte, another encoding or too long a line is an error naming the
+    file and the line."""
+
+    def __init__(self, path: Path, file: BinaryIO, max_bytes: int = MAX_LINE_BYTES) -> None:
+        self.path, self.file, self.max_bytes = path, file, max_bytes
+        self.line_no = 0
+        self.row_bytes = 0  # bytes of the CSV row being read (a quoted field spans lines)
+
+    def __iter__(self) -> _ManifestLines:
+        return self
+
+    def row_done(self) -> None:
+        self.row_bytes = 0
+
+    def __next__(self) -> str:
+        raw = self.file.readline(self.max_bytes + 1)
+        if not raw:
+            raise StopIteration
+        self.line_no += 1
+        self.row_bytes += len(raw)
+        where = f"{self.path}:{self.line_no}"
+        if len(raw) > self.max_bytes:
+            raise ManifestError(
+                f"{where}: a line longer than {self.max_bytes} bytes (not read further; a "
+                "manifest line is one caption row)"
+            )
+        if self.row_bytes > self.max_bytes:
+            raise ManifestError(
+                f"{where}: a CSV row longer than {self.max_bytes} bytes (a quoted field left open?)"
+            )
+        if self.line_no == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]
+        if b"\x00" in raw:
+            raise ManifestError(f"{where}: NUL byte in the manifest")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ManifestError(
+                f"{where}: not UTF-8 (byte 0x{raw[err.start]:02x}); save the manifest as UTF-8"
+            ) from None
 
 
-def _decode(path: Path) -> str:
-    """The manifest's text: UTF-8 with or without a BOM; NUL bytes and other encodings are
-    errors naming the line."""
-    data = path.read_bytes()
-    nul = data.find(b"\x00")
-    if nul >= 0:
-        raise ManifestError(f"{path}:{_line_of(data, nul)}: NUL byte in the manifest")
+def _open_input(path: str | os.PathLike[str], what: str) -> int:
+    """A descriptor of the manifest or audio file ``path``, opened once with ``O_NONBLOCK`` and
+    checked by ``fstat`` (``descriptors.open_regular``): a FIFO, socket, device or directory is
+    an error saying what it is, never a read or a decoder that waits for ever."""
     try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise ManifestError(
-            f"{path}:{_line_of(data, err.start)}: not UTF-8 (byte 0x{data[err.start]:02x}); "
-            "save the manifest as UTF-8"
-        ) from err
+        return open_regular(path, what)
+    except FileNotFoundError:
+        raise ManifestError(f"{what} {path} does not exist") from None
+    except NotRegularFile as err:
+        raise ManifestError(str(err)) from None
+    except OSError as err:
+        raise ManifestError(f"{what} {path}: cannot be opened ({err.strerror or err})") from None
 
 
 def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, row)`` pairs; line numbers are 1-based as an editor shows them."""
+    with os.fdopen(_open_input(path, "manifest"), "rb", buffering=1 << 16) as file:
+        lines = _ManifestLines(path, file)
+        try:
+            if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+                return _json_rows(path, lines)
+            return _csv_rows(path, lines)
+        except MemoryError:
+            raise ManifestError(
+                f"{path}:{lines.line_no}: out of memory reading the manifest at this line"
+            ) from None
+
+
+def _json_rows(path: Path, lines: _ManifestLines) -> list[tuple[int, dict[str, Any]]]:
     rows: list[tuple[int, dict[str, Any]]] = []
-    text = _decode(path)
-    if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
-        for line_no, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = safe_json.loads(line, f"{path}:{line_no}")
-            except ValueError as err:
-                raise ManifestError(str(err)) from None
-            if not isinstance(row, dict):
-                raise ManifestError(f"{path}:{line_no}: expected a JSON object, got {row!r:.60}")
-            rows.append((line_no, row))
-        return rows
-    reader = csv.DictReader(io.StringIO(text, newline=""))
+    for line in lines:
+        lines.row_done()  # a JSON row is one line
+        if not line.strip():
+            continue
+        try:
+            row = safe_json.loads(line, f"{path}:{lines.line_no}")
+        except ValueError as err:
+            raise ManifestError(str(err)) from None
+        if not isinstance(row, dict):
+            raise ManifestError(f"{path}:{lines.line_no}: expected a JSON object, got {row!r:.60}")
+        rows.append((lines.line_no, row))
+    return rows
+
+
+def _csv_rows(path: Path, lines: _ManifestLines) -> list[tuple[int, dict[str, Any]]]:
+    rows: list[tuple[int, dict[str, Any]]] = []
+    reader = csv.DictReader(lines)
     try:
         if reader.fieldnames is None:
             raise ManifestError(
@@ -107,8 +169,10 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
                 f"{path}: header {reader.fieldnames} lacks column(s) {missing}; expected "
                 f"{','.join(REQUIRED_COLUMNS)}"
             )
+        lines.row_done()
         for row in reader:
             rows.append((reader.line_num, row))
+            lines.row_done()
     except csv.Error as err:
         raise ManifestError(f"{path}:{reader.line_num + 1}: unreadable CSV row ({err})") from err
     return rows
@@ -126,11 +190,16 @@ def _field_problem(column: str, value: Any) -> str | None:
     return None
 
 
-def _is_file(path: Path) -> bool:
+def _not_a_file(path: Path) -> str | None:
+    """Why ``path`` is not a regular file (``stat``, links followed: no open, no wait), or
+    ``None``."""
     try:
-        return path.is_file()
-    except OSError:  # e.g. ENAMETOOLONG
-        return False
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "not found"
+    except OSError as err:  # e.g. ENAMETOOLONG
+        return f"cannot be checked ({err.strerror or err})"
+    return None if stat.S_ISREG(mode) else kind(mode)
 
 
 def read_manifest(
@@ -146,15 +215,18 @@ def read_manifest(
     BOM is fine), NUL bytes, fields longer than :data:`MAX_FIELD_CHARS`, missing columns or
     fields, empty captions, languages outside ``languages``, an audio id bound to two files,
     (with ``contain``) audio paths resolving outside ``audio_root`` (or the manifest's
-    directory), and (with ``check_files``) audio files that do not exist.
+    directory), and (with ``check_files``) audio files that do not exist or are not regular
+    files (a FIFO, socket or device, named). The manifest is opened once with ``O_NONBLOCK``
+    and checked by ``fstat`` (a FIFO, socket, device or directory is an error saying what it
+    is, never a wait), then streamed line by line, each line (and CSV row) capped at
+    :data:`MAX_LINE_BYTES`: an over-long line is an error naming the file and the line after
+    reading one byte past the cap, never a ``MemoryError``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ManifestError(f"manifest {path} does not exist")
+    rows = _read_rows(path)
     root = Path(audio_root) if audio_root is not None else path.parent
     resolved_root = root.resolve()
     wanted = [canonical_language(lang) for lang in languages]
-    rows = _read_rows(path)
     if not rows:
         raise ManifestError(f"{path}: no rows")
     clips: dict[str, Clip] = {}
@@ -205,11 +277,15 @@ def read_manifest(
             "(add them to --languages or remove the rows)"
         )
     if check_files:
-        missing = [(c.rows[0], c.path) for c in clips.values() if not _is_file(c.path)]
+        missing = [
+            (c.rows[0], c.path, why)
+            for c in clips.values()
+            if (why := _not_a_file(c.path)) is not None
+        ]
         if missing:
-            listed = ", ".join(f"{p} (line {line})" for line, p in missing[:10])
+            listed = "; ".join(f"{p} (line {line}): {why}" for line, p, why in missing[:10])
             raise ManifestError(
-                f"{path}: {len(missing)} audio file(s) not found: {listed}"
+                f"{path}: {len(missing)} audio file(s) not found or not regular files: {listed}"
                 f"{'...' if len(missing) > 10 else ''}"
             )
     return list(clips.values())
@@ -257,6 +333,29 @@ def resample(wave: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np
     return np.asarray(out, dtype=np.float32)
 
 
+def _sf_reason(err: Exception) -> str:
+    """libsndfile's reason, without its ``Error opening <descriptor>:`` prefix."""
+    return str(getattr(err, "error_string", None) or err)
+
+
+@contextmanager
+def _sound_file(path: str | os.PathLike[str]) -> Iterator[Any]:
+    """The audio file decoded from the one descriptor :func:`_open_input` opened and checked
+    (never by re-opening the path)."""
+    import soundfile as sf
+
+    fd = _open_input(path, "audio file")
+    try:
+        try:
+            sound = sf.SoundFile(fd, closefd=False)
+        except Exception as err:  # soundfile raises LibsndfileError / RuntimeError variants
+            raise ManifestError(f"cannot read audio file {path}: {_sf_reason(err)}") from err
+        with sound:
+            yield sound
+    finally:
+        os.close(fd)
+
+
 def load_audio(
     path: str | os.PathLike[str],
     max_seconds: float | None = None,
@@ -266,59 +365,60 @@ def load_audio(
     """Mono float32 waveform at ``target_sr``; longer than ``max_seconds`` -> a crop of that length.
 
     The crop starts at a uniform random offset drawn from ``rng`` (the start with ``rng=None``);
-    only the cropped frames are read from disk.
+    only the cropped frames are read from disk. The file is opened once with ``O_NONBLOCK`` and
+    must be a regular file (``fstat``); it is decoded from that descriptor.
     """
-    import soundfile as sf
-
-    try:
-        info = sf.info(str(path))
-    except Exception as err:  # soundfile raises LibsndfileError / RuntimeError variants
-        raise ManifestError(f"cannot read audio file {path}: {err}") from err
-    start, stop = 0, info.frames
-    if max_seconds is not None:
-        crop = round(max_seconds * info.samplerate)
-        if info.frames > crop:
-            offset = int(rng.integers(0, info.frames - crop + 1)) if rng is not None else 0
-            start, stop = offset, offset + crop
-    try:
-        wave, sr = sf.read(str(path), start=start, stop=stop, dtype="float32", always_2d=True)
-    except Exception as err:
-        raise ManifestError(f"cannot decode audio file {path}: {err}") from err
+    with _sound_file(path) as sound:
+        frames, samplerate = sound.frames, sound.samplerate
+        start, stop = 0, frames
+        if max_seconds is not None:
+            crop = round(max_seconds * samplerate)
+            if frames > crop:
+                offset = int(rng.integers(0, frames - crop + 1)) if rng is not None else 0
+                start, stop = offset, offset + crop
+        try:
+            sound.seek(start)
+            wave = sound.read(stop - start, dtype="float32", always_2d=True)
+        except Exception as err:
+            raise ManifestError(f"cannot decode audio file {path}: {_sf_reason(err)}") from err
     if wave.shape[0] == 0:
         raise ManifestError(f"audio file {path} is empty")
     if not np.isfinite(wave).all():
         raise ManifestError(f"audio file {path} has non-finite (NaN/Inf) samples")
     mono = wave.mean(axis=1)
-    out = resample(mono, int(sr), target_sr)
+    out = resample(mono, int(samplerate), target_sr)
     if max_seconds is not None:
         out = out[: round(max_seconds * target_sr)]
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
 def audio_problem(path: Path, decode: bool = True) -> str | None:
-    """Why ``path`` cannot be trained on, or ``None``: unreadable, empty, and (``decode``)
-    undecodable, shorter than its header says, or holding NaN/Inf samples."""
-    import soundfile as sf
-
+    """Why ``path`` cannot be trained on, or ``None``: missing, not a regular file (a FIFO,
+    socket or device, named), unreadable, empty, and (``decode``) undecodable, shorter than
+    its header says, or holding NaN/Inf samples. Decoded from one descriptor, as
+    :func:`load_audio` does."""
     try:
-        info = sf.info(str(path))
-    except Exception as err:  # LibsndfileError / RuntimeError variants
-        return f"cannot read ({err})"
-    if info.frames <= 0:
-        return "no audio frames"
-    if not decode:
-        return None
+        with _sound_file(path) as sound:
+            if sound.frames <= 0:
+                return "no audio frames"
+            if not decode:
+                return None
+            return _decode_problem(sound)
+    except ManifestError as err:
+        return str(err).replace(f" {path}", "", 1)
+
+
+def _decode_problem(sound: Any) -> str | None:
     frames = 0
     try:
-        with sf.SoundFile(str(path)) as f:
-            for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
-                if not np.isfinite(block).all():
-                    return f"non-finite (NaN/Inf) samples near frame {frames}"
-                frames += block.shape[0]
+        for block in sound.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
+            if not np.isfinite(block).all():
+                return f"non-finite (NaN/Inf) samples near frame {frames}"
+            frames += block.shape[0]
     except Exception as err:
-        return f"cannot decode after frame {frames} ({err})"
-    if frames < info.frames:
-        return f"truncated: the header says {info.frames} frames, {frames} decoded"
+        return f"cannot decode after frame {frames} ({_sf_reason(err)})"
+    if frames < sound.frames:
+        return f"truncated: the header says {sound.frames} frames, {frames} decoded"
     return None
 
 

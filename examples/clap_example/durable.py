@@ -5,6 +5,9 @@ with ``os.replace`` (atomic on POSIX), then the directory is fsynced so the rena
 durable. A reader therefore sees the old file or the new one, never a mix. Appends (the
 per-step logs) cannot be atomic; their reader skips a truncated last line instead.
 
+Every call is relative to a descriptor of the file's directory (``dir_fd``, which ``run_folder``
+opens with ``O_NOFOLLOW`` on every component): no path is looked up between the check of the
+directories and the write, so a directory swapped for a link meanwhile is never written through.
 All writes go through ``os.write`` on raw descriptors, so an ``OSError`` keeps its errno and the
 messages here name the path; a full disk reads ``ENOSPC``.
 """
@@ -13,20 +16,16 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import safe_json
+from .descriptors import DIRECTORY, NOFOLLOW, NONBLOCK
 
 TMP_PREFIX = ".tmp-"
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def disk_error(err: OSError, path: Path | str, action: str = "writing") -> OSError:
@@ -46,18 +45,12 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or a new entry in ``directory`` durable (no-op where unsupported)."""
+def fsync_dir(dir_fd: int) -> None:
+    """Make a rename or a new entry in the directory of ``dir_fd`` durable."""
     try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        os.fsync(dir_fd)
     except OSError:
         pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
 
 
 class _FdWriter:
@@ -80,13 +73,28 @@ class _FdWriter:
         pass
 
 
-def atomic_write(path: Path | str, fill: Callable[[_FdWriter], object]) -> None:
-    """Write ``path`` through ``fill(writer)`` via a temp file, fsync and ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a killed run's (or a planted link: removed, not followed)
+def _unlink(name: str, dir_fd: int) -> None:
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def atomic_write(
+    dir_fd: int,
+    path: Path,
+    fill: Callable[[_FdWriter], object],
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Write ``path`` (named ``path.name`` in the directory open as ``dir_fd``; ``path`` is
+    for messages) through ``fill(writer)`` via a temp file, fsync and ``os.replace``, every
+    call relative to ``dir_fd``: no path is looked up again. ``check()``, called before the
+    rename, may refuse to publish the file (the temporary file is then removed)."""
+    path = Path(path)
+    tmp = f"{TMP_PREFIX}{path.name}.{os.getpid()}"
+    _unlink(tmp, dir_fd)  # a killed run's (or a planted link: removed, not followed)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644, dir_fd=dir_fd)
     except OSError as err:
         raise disk_error(err, path, "creating") from err
     writer = _FdWriter(fd)
@@ -103,35 +111,19 @@ def atomic_write(path: Path | str, fill: Callable[[_FdWriter], object]) -> None:
             os.fsync(fd)
         except OSError as err:
             raise disk_error(err, path, "syncing") from err
+        if check is not None:
+            check()
     except BaseException:
         os.close(fd)
-        tmp.unlink(missing_ok=True)
+        _unlink(tmp, dir_fd)
         raise
     os.close(fd)
     try:
-        os.replace(tmp, path)
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        _unlink(tmp, dir_fd)
         raise disk_error(err, path, "renaming onto") from err
-    fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    atomic_write(path, lambda w: w.write(data))
-
-
-def atomic_write_text(path: Path | str, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_torch_save(obj: Any, path: Path | str) -> None:
-    """``torch.save`` with the guarantees of :func:`atomic_write`."""
-    atomic_write(path, lambda w: torch.save(obj, w))  # type: ignore[arg-type]
-
-
-def write_lines(path: Path | str, lines: Iterable[str]) -> None:
-    """Replace ``path`` with ``lines`` (each already ending in a newline), atomically."""
-    atomic_write_bytes(path, "".join(lines).encode("utf-8"))
+    fsync_dir(dir_fd)
 
 
 def _regular(fd: int, path: Path) -> None:
@@ -142,14 +134,13 @@ def _regular(fd: int, path: Path) -> None:
         raise OSError(errno.EINVAL, f"{path}: not a regular file (mode {stat.filemode(mode)})")
 
 
-def append_line(path: Path | str, line: str, sync: bool = False) -> None:
+def append_line(dir_fd: int, path: Path, line: str, sync: bool = False) -> None:
     """Append one line with a single ``write`` (a kill leaves at most a truncated last line);
     a link at ``path`` is not followed, and only a regular file is written."""
-    path = Path(path)
     data = line.encode("utf-8")
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW | NONBLOCK
     try:
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path.name, flags, 0o644, dir_fd=dir_fd)
         _regular(fd, path)
     except OSError as err:
         raise disk_error(err, path, "opening") from err
@@ -163,30 +154,39 @@ def append_line(path: Path | str, line: str, sync: bool = False) -> None:
         os.close(fd)
 
 
-def fsync_file(path: Path | str) -> None:
-    """fsync an existing file (the logs, before a checkpoint that counts their rows)."""
-    path = Path(path)
-    if path.is_symlink() or not path.is_file():
-        return
+def fsync_file(dir_fd: int, path: Path) -> None:
+    """fsync an existing regular file (the logs, before a checkpoint that counts their rows);
+    nothing for an absent file, a link or a FIFO."""
     try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK)
-        _regular(fd, path)
-    except OSError as err:
-        raise disk_error(err, path, "opening") from err
+        fd = os.open(path.name, os.O_RDONLY | NOFOLLOW | NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return  # absent, or a link (ELOOP): nothing of the run to sync
     try:
-        os.fsync(fd)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fsync(fd)
     except OSError as err:
         raise disk_error(err, path, "syncing") from err
     finally:
         os.close(fd)
 
 
-def remove_tree(path: Path) -> None:
-    """Delete a directory (or file) if present."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+def remove_at(dir_fd: int, name: str) -> None:
+    """Delete the file or directory tree ``name`` of the directory open as ``dir_fd`` (if
+    present); every step relative to a descriptor, a link removed and never followed."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        _unlink(name, dir_fd)
+        return
+    fd = os.open(name, os.O_RDONLY | DIRECTORY | NOFOLLOW, dir_fd=dir_fd)
+    try:
+        for entry in list(os.scandir(fd)):
+            remove_at(fd, entry.name)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
 
 
 def parse_jsonl(data: bytes, path: Path | str, with_lines: bool = False) -> list[Any]:

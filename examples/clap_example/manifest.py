@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import safe_json
-from .durable import TMP_PREFIX, atomic_write_text
+from .durable import TMP_PREFIX
 from .run_folder import MAX_MANIFEST_BYTES, RunFolder, RunFolderError
 
 MANIFEST = "manifest.json"
@@ -39,27 +39,30 @@ class CheckpointError(ValueError):
     """A checkpoint (or ``latest``) is missing, damaged or not usable; names the file."""
 
 
-def file_digest(path: Path) -> dict[str, Any]:
-    """SHA-256 and size of a regular file, opened without following a symbolic link."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+def file_digest(folder: RunFolder, path: Path) -> dict[str, Any]:
+    """SHA-256 and size of a regular file of the run folder, read through one descriptor
+    (``RunFolder.open_file``: no link followed, a FIFO never waited on)."""
     sha = hashlib.sha256()
     size = 0
-    with os.fdopen(fd, "rb") as f:
-        while chunk := f.read(1 << 20):
+    with folder.open_file(path) as fd:
+        if fd is None:
+            raise CheckpointError(f"{path}: vanished while the manifest was written")
+        while chunk := os.read(fd, 1 << 20):
             sha.update(chunk)
             size += len(chunk)
     return {"sha256": sha.hexdigest(), "size": size}
 
 
-def write_manifest(directory: Path, name: str, meta: dict[str, Any]) -> None:
-    """``manifest.json``: digest of every file in ``directory`` plus ``meta``."""
+def write_manifest(folder: RunFolder, directory: Path, name: str, meta: dict[str, Any]) -> None:
+    """``manifest.json``: digest of every file in ``directory`` plus ``meta``, listed, read
+    and written through the run folder's descriptors."""
     files = {
-        p.name: file_digest(p)
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(TMP_PREFIX)
+        file: file_digest(folder, directory / file)
+        for file in folder.files(directory)
+        if file != MANIFEST and not file.startswith(TMP_PREFIX)
     }
     manifest = {"format": MANIFEST_FORMAT, "name": name, **meta, "files": files}
-    atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1, default=str))
+    folder.write_text(directory / MANIFEST, json.dumps(manifest, indent=1, default=str))
 
 
 def _whole(value: Any) -> bool:

@@ -7,19 +7,22 @@ real file or directory inside it.
 a device or a socket (the root itself, ``--output-dir``, may be a link: that is the user's
 choice):
 
-- a directory is checked component by component from the root (``lstat``), and created when
-  asked;
-- a file is read through a descriptor opened with ``O_NOFOLLOW | O_NONBLOCK`` relative to
-  descriptors of its directories (each opened with ``O_NOFOLLOW``), so a link is never followed,
-  a FIFO never blocks, and what is read is what was checked; only a regular file is read, and
-  only when ``fstat`` puts it under the caller's size cap (the read stops one byte past the cap
-  should the file grow meanwhile);
+- every read and write walks the path from a descriptor of the root, opening each directory
+  once with ``O_NOFOLLOW`` relative to its parent's descriptor (creating it when asked), and
+  does everything else relative to the last one (``dir_fd``): no path is looked up again
+  between the check and the use, so a directory swapped for a link is refused by name when it
+  is met, and is never written through when it is swapped afterwards;
+- a file is read through a descriptor opened with ``O_NOFOLLOW | O_NONBLOCK``, so a link is
+  never followed, a FIFO never blocks, and what is read is what was checked; only a regular
+  file is read, and only when ``fstat`` puts it under the caller's size cap (the read stops
+  one byte past the cap should the file grow meanwhile);
 - a file is written through a temporary name created with ``O_EXCL | O_NOFOLLOW`` and renamed
   over its target (``durable``): a link, FIFO or device at the target is replaced, never
   followed or opened, and named in a warning; appends open with ``O_NOFOLLOW | O_NONBLOCK`` and
-  write to a regular file only. (A write checks its directories just before it writes, by
-  path: a directory swapped for a link in that instant is the one race reads close and writes
-  do not.)
+  write to a regular file only. Before the rename the directory's path must still lead to the
+  directory written into: one moved away or swapped for a link meanwhile is named in an error,
+  and the file is not published (its bytes went only to the directory that was checked);
+- the root may be a link, but must stay the directory it was when the run first used it.
 
 A refusal is a :class:`RunFolderError` (a ``ValueError``) naming the path; callers that can do
 without a file (a log the checkpoint recreates, a summary that is rewritten) warn and go on.
@@ -30,14 +33,15 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import durable, safe_json
-from .durable import NOFOLLOW, NONBLOCK
+import torch
 
-DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+from . import durable, safe_json
+from .descriptors import DIRECTORY, NOFOLLOW, NONBLOCK, kind
 
 #: Size caps of the files the trainer reads back (bytes).
 MAX_LATEST_BYTES = 256
@@ -45,25 +49,12 @@ MAX_MANIFEST_BYTES = 1 << 22
 MAX_LOG_BYTES = 1 << 30
 MAX_SUMMARY_BYTES = 1 << 26
 
+__all__ = ["RunFolder", "RunFolderError", "kind", "refusal"]
+
 
 class RunFolderError(ValueError):
     """A path under the run folder that is not a real file or directory of it, or a file
     larger than its cap; the message names the path."""
-
-
-def kind(mode: int) -> str:
-    """What a file of ``mode`` is, in words."""
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
 
 
 def refusal(path: Path, what: str, expected: str = "a regular file") -> RunFolderError:
@@ -79,11 +70,17 @@ def refusal(path: Path, what: str, expected: str = "a regular file") -> RunFolde
     )
 
 
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
 class RunFolder:
-    """The files and directories of one run folder, each checked before it is used."""
+    """The files and directories of one run folder, each checked as it is used."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
+        #: ``(st_dev, st_ino)`` of the root when first opened: the run's own folder.
+        self._root_id: tuple[int, int] | None = None
 
     def _parts(self, path: Path | str) -> tuple[str, ...]:
         relative = os.path.relpath(os.path.abspath(path), os.path.abspath(self.root))
@@ -94,35 +91,109 @@ class RunFolder:
             raise RunFolderError(f"{path}: outside the run folder {self.root}")
         return parts
 
+    def _open_root(self) -> int | None:
+        """A descriptor of the root (a link there is followed: ``--output-dir`` is the user's
+        choice), which must stay the directory it was when first opened."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | DIRECTORY)
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            raise refusal(self.root, kind(self.root.stat().st_mode), "a directory") from None
+        identity = _identity(os.fstat(fd))
+        if self._root_id is None:
+            self._root_id = identity
+        elif identity != self._root_id:
+            os.close(fd)
+            now = " (now a symbolic link)" if self.root.is_symlink() else ""
+            raise RunFolderError(
+                f"{self.root}: replaced by another directory{now} since the run first used it; "
+                "nothing is read or written there (move the run folder back)"
+            )
+        return fd
+
+    def _open_dirs(self, parts: tuple[str, ...], create: bool) -> int | None:
+        """A descriptor of the directory ``root/parts...``, each component opened with
+        ``O_NOFOLLOW`` relative to its parent's descriptor (created when ``create``); ``None``
+        when a component is absent and not created. A component that is a link, FIFO, device
+        or file is refused by name."""
+        fd = self._open_root()
+        if fd is None:
+            if create:
+                raise RunFolderError(f"{self.root}: the run folder does not exist")
+            return None
+        current = self.root
+        try:
+            for part in parts:
+                current = current / part
+                try:
+                    child = os.open(part, os.O_RDONLY | DIRECTORY | NOFOLLOW, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        return None
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # created meanwhile (or a link planted): the open decides
+                    child = self._reopen(fd, part, current)
+                except OSError as err:
+                    if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+                    raise refusal(current, kind(mode), "a directory") from None
+                os.close(fd)
+                fd = child
+            result, fd = fd, -1
+            return result
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    @staticmethod
+    def _reopen(fd: int, part: str, current: Path) -> int:
+        try:
+            return os.open(part, os.O_RDONLY | DIRECTORY | NOFOLLOW, dir_fd=fd)
+        except OSError as err:
+            if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+            raise refusal(current, kind(mode), "a directory") from None
+
+    @contextmanager
+    def directory(self, path: Path | str, create: bool = False) -> Iterator[int | None]:
+        """A descriptor of ``path``, a real directory of the run folder (``None``: absent and
+        not created), closed on exit; every later call relative to it."""
+        fd = self._open_dirs(self._parts(path), create)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def open_dir(self, path: Path | str, create: bool = False) -> int:
+        """A descriptor of ``path``, a real directory of the run folder, that the caller
+        closes (:class:`RunFolderError` when absent and not created)."""
+        fd = self._open_dirs(self._parts(path), create)
+        if fd is None:
+            raise RunFolderError(f"{path}: absent")
+        return fd
+
     def dir(self, path: Path | str, create: bool = False) -> Path | None:
         """``path``, a real directory of the run folder (every component below the root
         checked; created when ``create``), or ``None`` when it is absent and not created."""
-        current = self.root
-        for part in self._parts(path):
-            current = current / part
-            try:
-                info = current.lstat()
-            except FileNotFoundError:
-                if not create:
-                    return None
-                try:
-                    current.mkdir()
-                except FileExistsError:
-                    pass
-                info = current.lstat()
-            if not stat.S_ISDIR(info.st_mode):
-                raise refusal(current, kind(info.st_mode), "a directory")
-        return self.root.joinpath(*self._parts(path))
+        with self.directory(path, create) as fd:
+            return None if fd is None else self.root.joinpath(*self._parts(path))
 
     def lstat(self, path: Path | str) -> os.stat_result | None:
         """``lstat`` of a path whose directories are real ones (``None``: absent)."""
         path = Path(path)
-        if self.dir(path.parent) is None:
-            return None
-        try:
-            return path.lstat()
-        except FileNotFoundError:
-            return None
+        with self.directory(path.parent) as fd:
+            if fd is None:
+                return None
+            try:
+                return os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
 
     def is_file(self, path: Path | str) -> bool:
         """A regular file of the run folder (a link, FIFO or device is not one, nor a file in a
@@ -133,38 +204,44 @@ class RunFolder:
             return False
         return info is not None and stat.S_ISREG(info.st_mode)
 
+    def files(self, path: Path | str) -> list[str]:
+        """Names of the regular files in the directory ``path`` of the run folder, sorted
+        (listed through its descriptor; links, FIFOs and subdirectories left out)."""
+        with self.directory(path) as fd:
+            if fd is None:
+                return []
+            return sorted(e.name for e in os.scandir(fd) if e.is_file(follow_symlinks=False))
+
     # --- reading -------------------------------------------------------------------------
 
-    def _open(self, path: Path) -> int | None:
-        """A descriptor of ``path`` opened without following a link anywhere below the root
-        (``O_NONBLOCK``: a FIFO does not block); ``None`` when it is absent."""
-        parts = self._parts(path)
-        if not parts:
+    @contextmanager
+    def open_file(self, path: Path | str) -> Iterator[int | None]:
+        """A read-only descriptor of the regular file ``path`` (``None``: absent), opened
+        without following a link anywhere below the root and with ``O_NONBLOCK`` (a FIFO does
+        not block), checked by ``fstat``; closed on exit."""
+        path = Path(path)
+        if not self._parts(path):
             raise RunFolderError(f"{path}: the run folder itself, not a file of it")
-        fd = os.open(self.root, os.O_RDONLY | DIRECTORY)
-        current = self.root
-        try:
-            for part in parts[:-1]:
-                current = current / part
+        with self.directory(path.parent) as parent:
+            if parent is None:
+                fd = None
+            else:
                 try:
-                    child = os.open(part, os.O_RDONLY | DIRECTORY | NOFOLLOW, dir_fd=fd)
+                    fd = os.open(path.name, os.O_RDONLY | NOFOLLOW | NONBLOCK, dir_fd=parent)
                 except FileNotFoundError:
-                    return None
+                    fd = None
                 except OSError as err:
-                    if err.errno in (errno.ELOOP, errno.ENOTDIR):
-                        mode = current.lstat().st_mode
-                        raise refusal(current, kind(mode), "a directory") from None
+                    if err.errno == errno.ELOOP:
+                        raise refusal(path, "a symbolic link") from None
                     raise
-                os.close(fd)
-                fd = child
-            try:
-                return os.open(parts[-1], os.O_RDONLY | NOFOLLOW | NONBLOCK, dir_fd=fd)
-            except FileNotFoundError:
-                return None
-            except OSError as err:
-                if err.errno == errno.ELOOP:
-                    raise refusal(path, "a symbolic link") from None
-                raise
+        if fd is None:
+            yield None
+            return
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise refusal(path, kind(mode))
+            yield fd
         finally:
             os.close(fd)
 
@@ -173,13 +250,10 @@ class RunFolder:
         one descriptor; :class:`RunFolderError` naming it when it is a link, FIFO or device, or
         when it holds more than ``max_bytes`` (or not exactly ``size`` bytes, when given)."""
         path = Path(path)
-        fd = self._open(path)
-        if fd is None:
-            return None
-        try:
+        with self.open_file(path) as fd:
+            if fd is None:
+                return None
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise refusal(path, kind(info.st_mode))
             if size is not None and info.st_size != size:
                 raise RunFolderError(
                     f"{path}: {info.st_size} bytes, expected {size} (replaced or truncated)"
@@ -197,8 +271,6 @@ class RunFolder:
                     break
                 chunks.append(chunk)
                 left -= len(chunk)
-        finally:
-            os.close(fd)
         data = b"".join(chunks)
         if len(data) > max_bytes or (size is not None and len(data) != size):
             raise RunFolderError(f"{path}: changed size while it was read")
@@ -220,49 +292,89 @@ class RunFolder:
 
     # --- writing -------------------------------------------------------------------------
 
-    def _target(self, path: Path | str) -> Path:
-        """``path``, whose directory is a real one of the run folder (created when absent);
-        a link, FIFO or device at ``path`` is named in a warning (it is replaced)."""
-        path = Path(path)
-        self.dir(path.parent, create=True)
-        info = self.lstat(path)
-        if info is not None and not stat.S_ISREG(info.st_mode):
-            if stat.S_ISDIR(info.st_mode):
-                raise refusal(path, "a directory")
-            durable.warn(
-                f"{path}: {kind(info.st_mode)}, not a file of the run folder; replaced by a "
-                "fresh file (never followed or opened)"
+    @contextmanager
+    def _target(self, path: Path) -> Iterator[int]:
+        """A descriptor of ``path``'s directory, a real one of the run folder (created when
+        absent); a link, FIFO or device at ``path`` is named in a warning (it is replaced)."""
+        with self.directory(path.parent, create=True) as fd:
+            assert fd is not None
+            try:
+                info: os.stat_result | None = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                info = None
+            if info is not None and not stat.S_ISREG(info.st_mode):
+                if stat.S_ISDIR(info.st_mode):
+                    raise refusal(path, "a directory")
+                durable.warn(
+                    f"{path}: {kind(info.st_mode)}, not a file of the run folder; replaced by a "
+                    "fresh file (never followed or opened)"
+                )
+            yield fd
+
+    def _still_there(self, fd: int, directory: Path) -> None:
+        """Refuse to publish a file whose directory was moved away or swapped for a link while
+        it was written (its bytes went to the directory that was checked, never through the
+        link; the temporary file is removed)."""
+        try:
+            moved = _identity(os.stat(directory)) != _identity(os.fstat(fd))
+        except OSError:
+            moved = True
+        if moved:
+            what = kind(os.lstat(directory).st_mode) if os.path.lexists(directory) else "gone"
+            raise RunFolderError(
+                f"{directory}: replaced while a file was written into it (now {what}); the "
+                "file is not published, nothing is written through a link"
             )
-        return path
 
     def write(self, path: Path | str, fill: Callable[[Any], object]) -> None:
-        durable.atomic_write(self._target(path), fill)
+        """Replace ``path`` atomically with what ``fill(writer)`` writes (``durable``), every
+        step relative to the descriptor of its directory."""
+        path = Path(path)
+        with self._target(path) as fd:
+            durable.atomic_write(fd, path, fill, lambda: self._still_there(fd, path.parent))
 
     def write_bytes(self, path: Path | str, data: bytes) -> None:
-        durable.atomic_write_bytes(self._target(path), data)
+        self.write(path, lambda w: w.write(data))
 
     def write_text(self, path: Path | str, text: str) -> None:
-        durable.atomic_write_text(self._target(path), text)
+        self.write_bytes(path, text.encode("utf-8"))
 
     def write_lines(self, path: Path | str, lines: list[str]) -> None:
-        durable.write_lines(self._target(path), lines)
+        """Replace ``path`` with ``lines`` (each already ending in a newline), atomically."""
+        self.write_bytes(path, "".join(lines).encode("utf-8"))
 
     def torch_save(self, obj: Any, path: Path | str) -> None:
-        durable.atomic_torch_save(obj, self._target(path))
+        self.write(path, lambda w: torch.save(obj, w))
 
     def append(self, path: Path | str, line: str, sync: bool = False) -> None:
         """Append one line to a regular file of the run folder (created when absent)."""
         path = Path(path)
-        self.dir(path.parent, create=True)
-        durable.append_line(path, line, sync)
+        with self.directory(path.parent, create=True) as fd:
+            assert fd is not None
+            durable.append_line(fd, path, line, sync)
+
+    def rename(self, source: Path | str, target: Path | str) -> None:
+        """Rename ``source`` to ``target``, both in one directory of the run folder (through
+        its descriptor), and make the rename durable."""
+        source, target = Path(source), Path(target)
+        if source.parent != target.parent:
+            raise RunFolderError(f"{source} -> {target}: not in one directory")
+        fd = self.open_dir(source.parent)
+        try:
+            os.rename(source.name, target.name, src_dir_fd=fd, dst_dir_fd=fd)
+            durable.fsync_dir(fd)
+        finally:
+            os.close(fd)
 
     def remove(self, path: Path | str) -> None:
         """Delete a file or directory of the run folder (a link is removed, not followed)."""
         path = Path(path)
-        if self.dir(path.parent) is not None:
-            durable.remove_tree(path)
+        with self.directory(path.parent) as fd:
+            if fd is not None:
+                durable.remove_at(fd, path.name)
 
     def fsync(self, path: Path | str) -> None:
         path = Path(path)
-        if self.dir(path.parent) is not None:
-            durable.fsync_file(path)
+        with self.directory(path.parent) as fd:
+            if fd is not None:
+                durable.fsync_file(fd, path)

@@ -30,7 +30,7 @@ from .data import (
     require_language,
     require_other_language,
 )
-from .durable import TMP_PREFIX, remove_tree
+from .durable import TMP_PREFIX
 from .model import ClapModel, load_mlclap_checkpoint
 from .objective import text_mode
 from .run_folder import RunFolder, RunFolderError
@@ -89,10 +89,11 @@ def read_data(args: argparse.Namespace, rank: int, world: int) -> RunData:
     if args.val_manifest:
         val_clips = read_eval_manifest(args, args.val_manifest, languages)
     if args.test_manifest and not Path(args.test_manifest).is_file():
-        # Only its existence is checked: the test set is read after the model is chosen.
+        # Only checked by stat: the test set is opened and read after the model is chosen.
+        what = "not a regular file" if Path(args.test_manifest).exists() else "no such file"
         raise ManifestError(
-            f"--test-manifest {args.test_manifest}: no such file (the test set is read "
-            "once, at the end of training)"
+            f"--test-manifest {args.test_manifest}: {what} (the test set is read once, at "
+            "the end of training)"
         )
     train_set = TrainDataset(train_clips, languages, args.max_seconds, args.seed)
     sampler = EpochBatchSampler(
@@ -178,7 +179,7 @@ def prepare_output_dir(out: Path, overwrite: bool) -> None:
     for directory in (out, out / "checkpoints", out / "best"):
         if folder.dir(directory) is not None:  # temp files of a killed run
             for stale in directory.glob(f"{TMP_PREFIX}*"):
-                remove_tree(stale)
+                folder.remove(stale)
 
 
 def check_clips(

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from contrastive_losses.distributed import check_call_counts
+
 from .checkpoint import already_complete, read_summary, resume_point
 from .config import parse_args
 from .console import closing_lines, epoch_line
@@ -345,6 +347,9 @@ class Trainer:
             "peak_memory_mb": peak_memory_mb(self.device),
         }
         summary.update(self._evaluate_and_select())
+        # An extra loss call on one rank (an evaluation batch) pairs every later call with
+        # a peer's other batch, unseen by each call's own exchange: the totals must agree.
+        check_call_counts(self.loss_fn, f"end of the evaluation at step {self.step}")
         if self.batch_in_epoch >= self.steps_per_epoch:
             self.epoch += 1
             self.batch_in_epoch = 0

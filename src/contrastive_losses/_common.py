@@ -539,16 +539,9 @@ class _TemperatureMixin(_LossSettings):
         buffer = self.log_logit_scale
         if torch.compiler.is_compiling() or _stamp(buffer) == self._fixed_stamp:
             return self._fixed
-        if buffer.device.type != "meta":
-            # the same value as ours, once both are rounded to the buffer's dtype or to
-            # float32 (the dtype it was made in: .double() upcasts the rounded value)
-            coarse = buffer.dtype
-            if torch.finfo(coarse).eps < torch.finfo(torch.float32).eps:
-                coarse = torch.float32
-            log = float(buffer.detach())
-            ours = math.log(1.0 / self._fixed)
-            if torch.tensor(log, dtype=coarse) != torch.tensor(ours, dtype=coarse):
-                self._fixed = 1.0 / math.exp(min(log, math.log(self.max_logit_scale)))
+        log = _written_value(buffer, math.log(1.0 / self._fixed))
+        if log is not None:
+            self._fixed = 1.0 / math.exp(min(log, math.log(self.max_logit_scale)))
         self._fixed_stamp = _stamp(buffer)
         return self._fixed
 
@@ -616,6 +609,23 @@ class _TemperatureMixin(_LossSettings):
             return buffer.new_full((), self._fixed_value())
         log_bound = math.log(self.max_logit_scale)
         return 1.0 / _UpperClamp.apply(self.log_logit_scale, log_bound).exp()
+
+
+def _written_value(buffer: Tensor, kept: float) -> float | None:
+    """The value of a float32 buffer that mirrors a Python float (``kept``, as the buffer
+    stores it), when another value was written into it since; ``None`` when it holds
+    ``kept`` once both are rounded to the buffer's dtype or to float32, the dtype it was
+    made in (``.double()`` upcasts the rounded value: 0.05 reads back as 0.0500000007),
+    or on the meta device. One host read."""
+    if buffer.device.type == "meta":
+        return None
+    coarse = buffer.dtype
+    if torch.finfo(coarse).eps < torch.finfo(torch.float32).eps:
+        coarse = torch.float32
+    value = float(buffer.detach())
+    if torch.tensor(value, dtype=coarse) != torch.tensor(kept, dtype=coarse):
+        return value
+    return None
 
 
 def _stamp(buffer: Tensor) -> tuple[int, int]:

@@ -568,6 +568,17 @@ _AGREED = (
 )
 
 
+def _search_backend(bank: KnowledgeBank, device: torch.device) -> str:
+    """What searches ``bank`` for queries on ``device``: ``"torch"``, or faiss and its
+    index (faiss and torch find other neighbours among near-ties; an IVF index misses
+    some): ranks that differ compute different losses (1.3% apart in issue 33)."""
+    if not bank._uses_faiss(device):
+        return "torch"
+    if bank.index_type == "ivf":
+        return f"faiss ivf (nlist={bank.nlist}, nprobe={bank.nprobe})"
+    return f"faiss {bank.index_type}"
+
+
 class ASKLoss(nn.Module):
     r"""ASK loss with retrieval from a :class:`~contrastive_losses.bank.KnowledgeBank`.
 
@@ -799,6 +810,7 @@ class ASKLoss(nn.Module):
                 **({} if logit_scale is None else _scale_setting(1.0, logit_scale)),
                 # min(k_coarse, the bank's prototypes): banks of 3 and 5 prototypes differ
                 k_coarse_effective=0 if coarse is None else coarse.shape[1],
+                bank_backend=_search_backend(self.bank, audio.device),
             )
         b, offset = audio.shape[0], 0
         if enabled:

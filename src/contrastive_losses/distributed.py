@@ -12,8 +12,11 @@ Rank agreement: before the first gather of a call, every rank shares one fixed-l
 header (:func:`validate_together`): whether its checks run, whether they failed, its batch
 size, a fingerprint of the loss's effective settings (temperature and the scale's dtype,
 reduction, ``chunk_size``, an SVR radius, CACL's ``english_index``, ASK's effective
-``k_coarse``, ...), the number of this call among the loss Module's gathered calls, and
-the dtype and trailing shape of what it will gather (embeddings, ids, knowledge).
+``k_coarse`` and bank backend, a dynamic radius predictor's checksum, a wrapper's own
+settings such as the drop-in ``ClipLoss``'s ``local_loss``, ...), the number of this call
+among the loss Module's gathered calls, and the dtype, trailing shape and autograd state
+(``requires_grad`` with grad mode on) of what it will gather (embeddings, ids, knowledge).
+:func:`check_call_counts` compares the ranks' totals of calls through the same exchange.
 Ranks whose checks run compare
 the headers and raise one clear error together; a rank with the checks off sends its
 header (zeros, made on the device) without reading anything back, so the collectives stay
@@ -44,6 +47,8 @@ from torch import Tensor
 __all__ = [
     "all_gather_no_grad",
     "all_gather_with_grad",
+    "call_count",
+    "check_call_counts",
     "is_distributed",
     "resolve_gather",
     "validate_together",
@@ -75,6 +80,7 @@ def resolve_gather(gather: bool | None) -> bool:
 _CALL: ContextVar[list[typing.Any] | None] = ContextVar("contrastive_losses_call", default=None)
 _CALLS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
 _CALL_KEY = "call of "  # the fingerprint entry's name: "call of InfoNCELoss"
+_COUNT_KEY = "calls of "  # check_call_counts' entry: "calls of InfoNCELoss (evaluation)"
 _F = typing.TypeVar("_F", bound=Callable[..., typing.Any])
 
 
@@ -103,6 +109,49 @@ def counted_call(forward: _F) -> _F:
     return typing.cast(_F, counted)
 
 
+def call_count(module: torch.nn.Module) -> int:
+    """The gathered calls this rank has made of ``module`` and its submodules (a
+    regulariser and its base count one each), as :func:`counted_call` numbers them: 0 in
+    one process, under ``torch.compile``, or for the functional forms."""
+    return sum(_CALLS.get(m, 0) for m in module.modules())
+
+
+def check_call_counts(module: torch.nn.Module, what: str = "evaluation") -> None:
+    """Raise one ``ValueError`` on every rank when the ranks made different numbers of
+    gathered calls of ``module`` (:func:`call_count`); every rank must call it, at a point
+    where the counts must agree (the end of an evaluation, of an epoch). Nothing in one
+    process.
+
+    The exchange of each call compares the call's number, so a rank's extra call raises
+    there only when it meets a peer's call of another number; where the peer's next call
+    of the same loss is the one it meets (an extra evaluation batch on one rank, then
+    the next training step) both count alike and every later call pairs one rank's batch
+    with the peer's previous one, silently. The totals differ from then on: this compares
+    them in the loss's own exchange (one ``all_gather`` of its fixed-length header), so it
+    also pairs with a peer's extra loss call that is still to come, and both raise.
+
+    Example (in a training loop, after the evaluation, on every rank)::
+
+        from contrastive_losses.distributed import check_call_counts
+
+        check_call_counts(loss_fn, "evaluation of epoch 3")
+    """
+    if not is_distributed():
+        return
+    with validate_together(True, None, min_global=0) as v:
+        v.settings(**{f"{_COUNT_KEY}{type(module).__name__} ({what})": call_count(module)})
+
+
+def _device(ref: object) -> torch.device:
+    """The device that carries a collective: the current CUDA device under NCCL (it moves
+    CUDA tensors only), else ``ref``'s (CPU when it is not a tensor)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if isinstance(ref, Tensor) and ref.device.type != "meta":
+        return ref.device
+    return torch.device("cpu")
+
+
 def _number_call() -> tuple[str, int] | None:
     """The running Module call's fingerprint entry, numbering the call at its first
     exchange (a call may exchange more than once: CACL checks its inputs, then its loss)."""
@@ -115,12 +164,34 @@ def _number_call() -> tuple[str, int] | None:
     return _CALL_KEY + type(owner).__name__, call[1]
 
 
-# What validate_together exchanges about each tensor the ranks will gather: its dtype
-# and the sizes after the batch dim, in a fixed-length slot so that every rank sends
-# the same number of longs whether or not its checks passed (or registered anything).
+# Settings of a wrapper around a loss (open_clip's drop-ins: ``local_loss``) that change
+# what it does across ranks after the loss: added to every exchange made inside it.
+_OUTER: ContextVar[tuple[tuple[str, object], ...]] = ContextVar(
+    "contrastive_losses_outer", default=()
+)
+
+
+@contextmanager
+def outer_settings(**values: object) -> Iterator[None]:
+    """Add ``values`` (``name=value``, as :meth:`Validation.settings` takes them) to the
+    fingerprint of every exchange made inside the block: a wrapper whose own setting
+    changes a collective it makes after the loss (the drop-in ``ClipLoss``'s
+    ``local_loss``: an int64 all-reduce or a float one) has it compared with the loss's,
+    so ranks that differ raise one ``ValueError`` naming it before either collective."""
+    token = _OUTER.set(_OUTER.get() + tuple(values.items()))
+    try:
+        yield
+    finally:
+        _OUTER.reset(token)
+
+
+# What validate_together exchanges about each tensor the ranks will gather: its dtype,
+# whether autograd records it and the sizes after the batch dim, in a fixed-length slot
+# so that every rank sends the same number of longs whether or not its checks passed (or
+# registered anything).
 _MAX_AGREE = 8  # tensors per block (ASK: audio, text and four knowledge tensors)
 _MAX_TRAILING = 4  # dims after the batch dim; (B, K, 2, D) knowledge has 3
-_SLOT = 2 + _MAX_TRAILING  # [dtype code, ndim, *dims, zero padding]
+_SLOT = 3 + _MAX_TRAILING  # [dtype code, grad, ndim, *dims, zero padding]
 _MAX_SETTINGS = 24  # settings per call in the fingerprint
 _SETTING = 3  # [crc32 of the name, type tag, value code]
 # [checks on, failed, batch, *settings, *tensor slots]
@@ -194,7 +265,10 @@ class Validation:
             dims = list(x.shape[1:])
             if len(dims) > _MAX_TRAILING:
                 raise RuntimeError(f"validate_together: over {_MAX_TRAILING} trailing dims")
-            slot = [_dtype_code(x.dtype), len(dims), *dims]
+            # A gather with a graph on one rank only would leave that rank's backward
+            # (a reduce-scatter) without a peer: a hang, not an error.
+            grad = int(x.requires_grad and torch.is_grad_enabled())
+            slot = [_dtype_code(x.dtype), grad, len(dims), *dims]
             out[i * _SLOT : i * _SLOT + len(slot)] = slot
         return out
 
@@ -243,6 +317,16 @@ def _settings_message(fingerprints: list[list[tuple[str, str, str]]]) -> str:
     """The first setting on which the ranks differ, with every rank's value (the same
     text on every rank: it is built from the gathered fingerprints)."""
     names = [[entry[0] for entry in f] for f in fingerprints]
+    counting = [r for r, n in enumerate(names) if n and n[0].startswith(_COUNT_KEY)]
+    if counting and len(counting) < len(names):  # a peer's extra call met the count check
+        extra = [r for r in range(len(names)) if r not in counting]
+        return (
+            f"{names[counting[0]][0]}: rank {', '.join(map(str, counting))} compared the "
+            f"calls of the loss while rank {', '.join(map(str, extra))} made another gathered "
+            "loss call; every rank must call a gathered loss the same number of times (an "
+            "extra batch on one rank pairs every later call with a peer's other batch; "
+            "every rank raises it)"
+        )
     if any(n != names[0] for n in names[1:]):
         listed = "; ".join(f"rank {r}: {', '.join(n) or 'none'}" for r, n in enumerate(names))
         return (
@@ -255,6 +339,13 @@ def _settings_message(fingerprints: list[list[tuple[str, str, str]]]) -> str:
             short = [f[i][1] for f in fingerprints]
             values = short if len(set(short)) > 1 else full  # 6 digits unless they tie
             each = ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
+            if key.startswith(_COUNT_KEY):
+                return (
+                    f"{key}: the ranks made different numbers of gathered calls ({each}); "
+                    "every rank must call a gathered loss the same number of times (an "
+                    "extra batch on one rank pairs every later call with a peer's other "
+                    "batch; every rank raises it)"
+                )
             if key.startswith(_CALL_KEY):
                 return (
                     f"{key}: differs across ranks ({each}); every rank must call each "
@@ -283,11 +374,16 @@ def _same_repr(a: str, b: str) -> bool:
         return a == b
 
 
-def _slot_values(row: list[int], i: int) -> tuple[str, str]:
-    """The dtype and the trailing shape a rank sent in slot ``i``, as printed."""
-    code, ndim, *dims = row[i * _SLOT : (i + 1) * _SLOT]
+def _slot_values(row: list[int], i: int) -> tuple[str, str, str]:
+    """The dtype, the trailing shape and the grad bit a rank sent in slot ``i``, as
+    printed."""
+    code, grad, ndim, *dims = row[i * _SLOT : (i + 1) * _SLOT]
     dtype = _DTYPES.get(code)
-    return (str(dtype) if dtype is not None else f"<dtype code {code}>"), str(tuple(dims[:ndim]))
+    printed = str(dtype) if dtype is not None else f"<dtype code {code}>"
+    return printed, str(tuple(dims[:ndim])), str(bool(grad))
+
+
+_GRAD = "requires_grad (with grad mode on)"
 
 
 def _disagreement(names: list[str], rows: list[list[int]]) -> str | None:
@@ -297,16 +393,21 @@ def _disagreement(names: list[str], rows: list[list[int]]) -> str | None:
         for r, row in enumerate(rows[1:], start=1):
             if row[i * _SLOT : (i + 1) * _SLOT] == rows[0][i * _SLOT : (i + 1) * _SLOT]:
                 continue
-            (dtype0, shape0), (dtype_r, shape_r) = _slot_values(rows[0], i), _slot_values(row, i)
-            what, v0, vr = (
-                ("dtype", dtype0, dtype_r)
-                if dtype0 != dtype_r
-                else ("shape after the batch dim", shape0, shape_r)
-            )
+            first, theirs = _slot_values(rows[0], i), _slot_values(row, i)
+            kind = next(k for k in range(3) if first[k] != theirs[k])
+            if kind == 2:
+                return (
+                    f"{name}: {_GRAD} {first[2]} on rank 0 but {theirs[2]} on rank {r}; "
+                    "every rank must build the autograd graph of what it gathers, or none "
+                    "(torch.no_grad() or an input that requires grad on some ranks only "
+                    "leaves the backward's collective without a peer, a hang; every rank "
+                    "raises it)"
+                )
+            what = ("dtype", "shape after the batch dim")[kind]
             return (
-                f"{name}: {what} {v0} on rank 0 but {vr} on rank {r}; every rank must pass "
-                f"the same {'dtype' if what == 'dtype' else 'embedding sizes'} (only the "
-                "batch size may differ) to gather them (every rank raises it)"
+                f"{name}: {what} {first[kind]} on rank 0 but {theirs[kind]} on rank {r}; "
+                f"every rank must pass the same {'dtype' if kind == 0 else 'embedding sizes'} "
+                "(only the batch size may differ) to gather them (every rank raises it)"
             )
     return None
 
@@ -339,7 +440,9 @@ def validate_together(
       rank's value;
     * if they disagree on a registered tensor's dtype or its sizes after the batch dim
       (``D = 8`` on one rank, ``16`` on another; ``ids`` int32 and int64: the gather
-      would abort a rank) every rank raises a ``ValueError`` naming it and both values;
+      would abort a rank), or on whether autograd records it (``torch.no_grad()`` or an
+      input that requires grad on one rank only: that rank's backward would wait for a
+      peer that makes none) every rank raises a ``ValueError`` naming it and both values;
     * if the *global* batch is below ``min_global`` every rank raises a ``ValueError``
       naming ``name``. Splits 1 + 6 and 0 + 2 are legal, 1 + 0 is not.
 
@@ -363,12 +466,7 @@ def validate_together(
         yield v
         return
     call = _number_call()  # counted with the checks off too: the counts stay equal
-    if dist.get_backend() == "nccl":  # NCCL only moves CUDA tensors, whatever ref is
-        device = torch.device("cuda", torch.cuda.current_device())
-    elif isinstance(ref, Tensor) and ref.device.type != "meta":
-        device = ref.device
-    else:
-        device = torch.device("cpu")
+    device = _device(ref)
     if not validate:
         try:
             yield v
@@ -378,6 +476,7 @@ def validate_together(
     v.active = True
     if call is not None:
         v.fingerprint.append(call)
+    v.settings(**dict(_OUTER.get()))
     error: Exception | None = None
     try:
         yield v

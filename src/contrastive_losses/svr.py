@@ -36,7 +36,9 @@ from ._common import (
     _resolve_temperature,
     _scalar_repr,
     _scale_setting,
+    _stamp,
     _temperature,
+    _written_value,
     check_radius,
 )
 from ._kernels import (
@@ -763,6 +765,8 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             check_radius(radius)
             self.radius_mode = "fixed"
             self.register_buffer("radius", torch.tensor(float(radius)))
+            self._radius_value = float(radius)  # used, exact: see _scalar_radius
+            self._radius_stamp = _stamp(self.radius)
         else:
             raise TypeError(
                 f"radius: expected 'static', 'dynamic' or a float, got {type(radius).__name__}"
@@ -777,7 +781,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         print as children."""
         radius = f"radius={self.radius_mode!r}"
         if self.predictor is None:
-            radius += f" ({_scalar_repr(self.radius)})"
+            radius += f" ({_scalar_repr(_scalar_radius(self, self.radius))})"
         temperature = "None (the base's)" if self.svr_temperature is None else self.svr_temperature
         return (
             f"{radius}, direction={self.direction!r}, alpha={self.alpha}, beta={self.beta}, "
@@ -901,10 +905,14 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             "radius": self.radius_mode,
             # A fixed radius' value (a buffer) and a static one's (a parameter that DDP
             # keeps equal); a dynamic radius' initial value and the predictor's sizes.
-            "radius value": self.radius if predictor is None else None,
+            "radius value": _scalar_radius(self, self.radius) if predictor is None else None,
             "radius_init": None if self.radius_mode == "fixed" else self.radius_init,
             "num_features": None if predictor is None else predictor.num_features,
             "hidden": None if predictor is None else predictor.hidden,
+            # Outside DDP the ranks' predictors drift apart, as a temperature would
+            "predictor checksum": (
+                _checksum(predictor) if predictor is not None and enabled and validate else None
+            ),
             "direction": self.direction,
             "alpha": self.alpha,
             "beta": self.beta,
@@ -931,7 +939,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         sims, pos_sims, dist = _pair_similarities(local, glob, keys, self.direction, enabled)
         row_mask, col_mask = _pair_masks(pairs, b, sims, enabled, validate)
         if self.predictor is None:
-            radius = self.radius.to(sims.dtype)  # ()
+            radius = _scalar_radius(self, sims)  # ()
         else:  # SupCLAP's s = cos / tau, detached inside the predictor
             features = self.predictor._features(sims / temperature, offset, col_mask, validate)
             radius = self.predictor._from_features(features)  # (Q, b)
@@ -946,9 +954,13 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
 
     def _detached_temperature(self, logit_scale: Tensor | None = None) -> Tensor | float:
         """The SVR temperature: the override, else ``1/logit_scale`` (the model's), else
-        the base's; detached, so a learnable one learns from the base only."""
+        the base's (a fixed one as the Python float it was given, exact in float64, as the
+        base uses it); detached, so a learnable one learns from the base only."""
         if self.svr_temperature is None and logit_scale is not None:
             return 1.0 / logit_scale.detach()
+        fixed = getattr(self.base, "_fixed_value", None)
+        if self.svr_temperature is None and callable(fixed) and not self.base.learnable_temperature:
+            return cast(float, fixed())
         temperature = self.temperature
         return temperature.detach() if isinstance(temperature, Tensor) else temperature
 
@@ -973,7 +985,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         dist = _distance(x, y_pos)  # (Q, b)
         row_mask, col_mask = _pair_masks(pairs, b, x, enabled, validate)
         if self.predictor is None:
-            radius = self.radius.to(x.dtype)  # ()
+            radius = _scalar_radius(self, x)  # ()
         else:  # SupCLAP's s = cos / tau, from the running top-k of every tile
             k = self.predictor.num_features - 1
             parts = _tiled_top_negatives(x, y, k, offset, col_mask, chunk_size)
@@ -992,6 +1004,34 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         return _anchor_means(
             rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
         )
+
+
+def _scalar_radius(svr: SupportVectorRegularizer, like: Tensor) -> Tensor:
+    """The static radius (a parameter) in ``like``'s dtype, or the fixed one exact: the
+    Python float it was given (its float32 buffer holds 0.2 as 0.2000000030), unless
+    another value was written into the buffer (``load_state_dict``, ``fill_``)."""
+    buffer = cast(Tensor, svr.radius)
+    if svr.radius_mode != "fixed":
+        return buffer.to(like.dtype)
+    kept = getattr(svr, "_radius_value", None)
+    if kept is None:  # pickled before the float was kept
+        kept = svr._radius_value = float(buffer)
+        svr._radius_stamp = _stamp(buffer)
+    elif not torch.compiler.is_compiling() and _stamp(buffer) != svr._radius_stamp:
+        written = _written_value(buffer, kept)
+        svr._radius_value = kept = kept if written is None else written
+        svr._radius_stamp = _stamp(buffer)
+    return like.new_full((), kept)
+
+
+def _checksum(predictor: RadiusPredictor) -> Tensor:
+    """A cheap fingerprint of the predictor's weights: their sum, each weighted by its
+    position (a swap of two weights changes it too), in float64 on their device; read
+    once, with the other settings, where the ranks check together."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).double() for p in predictor.parameters()])
+        weights = torch.arange(1, flat.numel() + 1, dtype=flat.dtype, device=flat.device)
+        return (flat * weights).sum() / flat.numel()
 
 
 def _prepare_pairs(

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 from .._common import _check_logit_scale, _LossSettings
-from ..distributed import counted_call
+from ..distributed import counted_call, is_distributed, outer_settings, validate_together
 from ..infonce import InfoNCELoss, info_nce
 from ..siglip import SigLIPLoss, siglip
 from ..svr import SupportVectorRegularizer
@@ -118,20 +118,31 @@ class _OpenClipSettings(nn.Module):
         """Whether the loss gathers across ranks: open_clip's ``world_size > 1``."""
         return self.world_size > 1
 
-    def _check_world(self) -> None:
-        """Under ``world_size > 1`` torch.distributed must run that world, as this rank."""
-        if not self.gather:
+    def _check_world(self, ref: Tensor) -> None:
+        """``rank`` and ``world_size`` must be the process group's (with one exception: no
+        process group, or one of a single rank, and ``world_size=1``). A mismatch under a
+        process group of several ranks is raised through the ranks' exchange, so every
+        rank that calls the loss raises it, none waits in a collective the other skipped:
+        ``world_size=1`` there would compute a local loss on that rank, silently."""
+        if not self.gather and not is_distributed():
             return
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 f"world_size: {self.world_size} needs torch.distributed to be initialised "
                 "(torch.distributed.init_process_group) before the loss is called"
             )
-        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
-            raise ValueError(
-                f"rank, world_size: given {self.rank}, {self.world_size} but torch.distributed "
-                f"runs rank {dist.get_rank()} of {dist.get_world_size()}"
-            )
+        if (dist.get_rank(), dist.get_world_size()) == (self.rank, self.world_size):
+            return
+        problem = ValueError(
+            f"rank, world_size: given {self.rank}, {self.world_size} but torch.distributed "
+            f"runs rank {dist.get_rank()} of {dist.get_world_size()}; pass "
+            "rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size() "
+            "(open_clip's args.rank, args.world_size)"
+        )
+        if not is_distributed():
+            raise problem
+        with validate_together(True, ref):  # every rank raises it (the lowest rank's)
+            raise problem
 
     _repr = ""  # the subclass's own settings
 
@@ -173,13 +184,17 @@ class ClipLoss(_OpenClipSettings):
 
     Args:
         local_loss: open_clip's flag: this rank's rows against the global batch (the value
-            is this rank's mean); ``False``: the value is the global-batch loss.
+            is this rank's mean); ``False``: the value is the global-batch loss. Under
+            ``world_size > 1`` every rank must pass the same (it picks the collective
+            after the loss): ranks that differ raise one ``ValueError`` naming it.
         gather_with_grad: open_clip's flag; the gradient here is the exact one either way
             (above), so ``False`` with ``world_size > 1`` warns.
         cache_labels: accepted for open_clip's signature; no label vector is built here.
         rank: this process's rank (open_clip's ``args.rank``).
         world_size: the number of ranks; above 1 the features are gathered, which needs
-            ``torch.distributed`` initialised with that many ranks.
+            ``torch.distributed`` initialised with that many ranks. It must be the process
+            group's: ``world_size=1`` (the default) called under a group of several ranks
+            raises on every rank that calls the loss, instead of computing a local loss.
         use_horovod: not supported (``True`` raises); launch with ``torchrun``.
         chunk_size: ``None`` (dense) or the column tile of the exact memory-bounded path.
         svr: ``None``, or keyword arguments of
@@ -279,17 +294,20 @@ class ClipLoss(_OpenClipSettings):
         Returns:
             A scalar, or ``{"contrastive_loss": scalar}`` with ``output_dict``.
         """
-        self._check_world()
+        self._check_world(image_features)
         if logit_bias is not None:  # one bias for every logit, as the scale
             _check_logit_scale(logit_bias, image_features, False, "logit_bias", is_scale=False)
-        if self.svr is None:  # the functional form, as self.loss calls it
-            settings = self._base_settings()
-            out = info_nce(
-                image_features, text_features, ids=ids, logit_scale=logit_scale, **settings
-            )
-            loss = typing.cast(Tensor, out)
-        else:
-            loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale)
+        # local_loss picks the collective after the loss (an int64 all-reduce or a float
+        # one): compared in the loss's exchange, before either
+        with outer_settings(local_loss=bool(self.local_loss)):
+            if self.svr is None:  # the functional form, as self.loss calls it
+                settings = self._base_settings()
+                out = info_nce(
+                    image_features, text_features, ids=ids, logit_scale=logit_scale, **settings
+                )
+                loss = typing.cast(Tensor, out)
+            else:
+                loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale)
         if self.gather:
             loss = (
                 self._rank_mean(loss, image_features) if self.local_loss else _mean_over_ranks(loss)
@@ -319,7 +337,8 @@ class SigLipLoss(_OpenClipSettings):
     Args:
         cache_labels: accepted for open_clip's signature; no label matrix is built here.
         rank: this process's rank.
-        world_size: the number of ranks; above 1 the text features are gathered.
+        world_size: the number of ranks; above 1 the text features are gathered. It must
+            be the process group's, as in :class:`ClipLoss`.
         dist_impl: open_clip's exchange, one of ``"bidir"`` (``None``), ``"shift"``,
             ``"reduce"``, ``"gather"``: checked and kept, the same loss for each.
         chunk_size: ``None`` (dense) or the column tile of the exact memory-bounded path.
@@ -390,7 +409,7 @@ class SigLipLoss(_OpenClipSettings):
         Returns:
             A scalar, or ``{"contrastive_loss": scalar}`` with ``output_dict``.
         """
-        self._check_world()
+        self._check_world(image_features)
         if self.svr is None:  # the functional form, as self.loss calls it
             settings = self._base_settings()
             bias = {"bias": self.loss.bias} if logit_bias is None else {"logit_bias": logit_bias}

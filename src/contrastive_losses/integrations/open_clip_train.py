@@ -30,7 +30,11 @@ What it changes, all undone by :meth:`Installation.uninstall`:
   open_clip's optimizer, built from ``model.named_parameters()``, then trains them (its
   weight decay on the predictor's weight matrices, none on biases and a static radius),
   its checkpoints save them and ``--resume`` restores them. The loss uses those same
-  parameters.
+  parameters. The predictor's initial weights are drawn there from the seed in force
+  (``torch.initial_seed()``, which open_clip's ``--seed`` sets just before it builds the
+  model), as ``SupportVectorRegularizer(..., **svr)`` draws them right after
+  ``torch.manual_seed(seed)``, and the global RNG is left as it was: the same ``--seed``
+  gives the same predictor, whatever ran before.
 * With ``ids``, a callable ``ids(images, texts) -> (B,) integer tensor``, a forward hook
   on that model adds ``"ids"`` to its output dict, which the train loop hands to the
   loss: pairs that share an id are all positives. They matter where one sample comes
@@ -41,6 +45,14 @@ What it changes, all undone by :meth:`Installation.uninstall`:
   ``svr_loss`` (:math:`\alpha\,\mathcal{L}_{svr}`) and, with the constraint on,
   ``svr_constraint_loss`` (:math:`\beta\,\mathcal{L}_{con}`): open_clip's train loop sums
   the entries (the total and its gradient are the regularised loss) and logs each one.
+  The dict also holds ``radius_mean`` and ``radius_over_distance`` (the batch's mean
+  radius and share of anchors whose radius exceeds their positive's distance), which
+  open_clip logs too (its loop logs ``.items()``) but does not add to the loss: they are
+  left out of the dict's ``.values()``, which is what it sums.
+
+:func:`install` and :meth:`Installation.uninstall` hold one lock: of installs racing in
+several threads exactly one succeeds and the others raise ``ValueError``, and an
+uninstall puts every name back before another install can start.
 
 Nothing is imported from open_clip until :func:`install` runs.
 """
@@ -52,8 +64,9 @@ import importlib
 import itertools
 import json
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -62,12 +75,18 @@ from ..infonce import InfoNCELoss
 from ..svr import RadiusPredictor, SupportVectorRegularizer
 from . import open_clip as drop_ins
 
+if TYPE_CHECKING:
+    from _collections_abc import dict_values
+
 __all__ = ["Installation", "install", "main"]
 
 #: The name of the submodule that carries the SVR radius's parameters on the model.
 SUBMODULE = "contrastive_losses_svr"
 _EXTRA = "open_clip_torch[training] (open_clip and its open_clip_train package)"
 _active: list[Installation] = []
+#: Held by install(), uninstall() and _attach(): a check of _active and the patches it
+#: guards happen as one step.
+_lock = threading.Lock()
 
 
 class Installation:
@@ -105,14 +124,15 @@ class Installation:
     def uninstall(self) -> None:
         """Put back every name :func:`install` replaced and remove the ``ids`` hook (the
         ``contrastive_losses_svr`` submodule stays on models already built)."""
-        for module, name, original in reversed(self._undo):
-            setattr(module, name, original)
-        for hook in self._hooks:
-            hook.remove()
-        self._undo.clear()
-        self._hooks.clear()
-        if self in _active:
-            _active.remove(self)
+        with _lock:
+            for module, name, original in reversed(self._undo):
+                setattr(module, name, original)
+            for hook in self._hooks:
+                hook.remove()
+            self._undo.clear()
+            self._hooks.clear()
+            if self in _active:
+                _active.remove(self)
 
     def __enter__(self) -> Installation:
         return self
@@ -120,12 +140,16 @@ class Installation:
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
 
-    def _attach(self, model: nn.Module) -> None:
-        """Give the first model built the radius's parameters and the ``ids`` hook."""
-        if self.models or not isinstance(model, nn.Module):
-            return
-        self.models.append(model)
+    def _attach(self, model: nn.Module, seed: int) -> None:
+        """Give the first model built the radius's parameters, the predictor's drawn from
+        ``seed``, and the ``ids`` hook."""
+        with _lock:
+            if self.models or not isinstance(model, nn.Module):
+                return
+            self.models.append(model)
         if self.radius is not None:
+            if hasattr(self.radius, "predictor"):
+                _reseed(cast(RadiusPredictor, self.radius.predictor), seed)
             device = next(model.parameters(), torch.empty(0)).device
             model.add_module(SUBMODULE, self.radius.to(device))
         if self.ids is not None:
@@ -186,8 +210,6 @@ def install(
         >>> from contrastive_losses.integrations.open_clip_train import install
         >>> install(svr={"radius": "dynamic"}, chunk_size=256)  # doctest: +SKIP
     """
-    if _active:
-        raise ValueError("install: already installed; call .uninstall() on the first one")
     if ids is not None and not callable(ids):
         raise TypeError(f"ids: expected None or a callable (images, texts) -> ids, got {ids!r}")
     if svr is not None and not isinstance(svr, Mapping):
@@ -199,7 +221,18 @@ def install(
         package = importlib.import_module("open_clip")
     except ImportError as error:
         raise ImportError(f"install needs open_clip: pip install '{_EXTRA}'") from error
-    done = Installation(chunk_size, svr, ids, validate_args)
+    with _lock:
+        if _active:
+            raise ValueError("install: already installed; call .uninstall() on the first one")
+        done = Installation(chunk_size, svr, ids, validate_args)
+        _patch_open_clip(done, factory, package)
+        _active.append(done)
+    return done
+
+
+def _patch_open_clip(done: Installation, factory: Any, package: Any) -> None:
+    """Replace the loss classes and ``create_model_and_transforms`` (in ``open_clip``'s
+    factory, package and an imported ``open_clip_train.main``); undone by ``done``."""
     done._patch(factory, "ClipLoss", done._loss(_TrainerClipLoss))
     done._patch(factory, "SigLipLoss", done._loss(_TrainerSigLipLoss))
     for name in ("DistillClipLoss", "CoCaLoss"):
@@ -208,16 +241,15 @@ def install(
     original = factory.create_model_and_transforms
 
     def create_model_and_transforms(*args: Any, **kwargs: Any) -> Any:
+        seed = torch.initial_seed()  # open_clip's main seeds just before this call
         built = original(*args, **kwargs)
-        done._attach(built[0])
+        done._attach(built[0], seed)
         return built
 
     trainer = sys.modules.get("open_clip_train.main")
     for module in (factory, package, trainer):
         if getattr(module, "create_model_and_transforms", None) is original:
             done._patch(module, "create_model_and_transforms", create_model_and_transforms)
-    _active.append(done)
-    return done
 
 
 def _radius_holder(svr: Mapping[str, Any] | None) -> nn.Module | None:
@@ -236,6 +268,18 @@ def _radius_holder(svr: Mapping[str, Any] | None) -> nn.Module | None:
     return holder
 
 
+def _reseed(predictor: RadiusPredictor, seed: int) -> None:
+    """Redraw the untrained ``predictor``'s weights as its constructor draws them right
+    after ``torch.manual_seed(seed)``, leaving the global RNG as it was."""
+    last = cast(nn.Linear, predictor.mlp[-1])  # zero weight, bias radius_init: no draw
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = RadiusPredictor(predictor.num_features, predictor.hidden,
+                                float(last.bias.detach()),
+                                validate_args=predictor.validate_args)  # fmt: skip
+    predictor.load_state_dict(fresh.state_dict())
+
+
 def _use_svr(loss: nn.Module, holder: nn.Module | None) -> None:
     """Make ``loss``'s regulariser use ``holder``'s predictor or static radius (the
     parameters on the model), and keep its SVR terms for the ``output_dict``
@@ -248,31 +292,55 @@ def _use_svr(loss: nn.Module, holder: nn.Module | None) -> None:
     loss.loss = _SvrTerms(regulariser)
 
 
+#: The regulariser's radius statistics that open_clip's log shows (not summed).
+_RADIUS_STATISTICS = ("radius_mean", "radius_over_distance")
+
+
 class _SvrTerms(nn.Module):
     """Calls the regulariser with ``return_terms`` and keeps its weighted SVR and
-    constraint terms (detached) for the drop-in's ``output_dict``."""
+    constraint terms and its radius statistics (detached) for the drop-in's
+    ``output_dict``."""
 
     def __init__(self, regulariser: SupportVectorRegularizer) -> None:
         super().__init__()
         self.regulariser = regulariser
         self.terms: dict[str, Tensor] = {}
+        self.statistics: dict[str, Tensor] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         loss, terms = self.regulariser(*args, return_terms=True, **kwargs)
         self.terms = {"svr_loss": self.regulariser.alpha * terms["svr"]}
         if self.regulariser.constraint:
             self.terms["svr_constraint_loss"] = self.regulariser.beta * terms["constraint"]
+        self.statistics = {name: terms[name] for name in _RADIUS_STATISTICS}
         return loss
+
+
+class _LoggedOnly(dict[str, Tensor]):
+    """The ``output_dict``: open_clip's train loop sums ``.values()`` into its loss and
+    logs ``.items()``; the radius statistics are items but not values, so they are
+    logged and never added to the loss."""
+
+    def __init__(self, summed: dict[str, Tensor], logged_only: dict[str, Tensor]) -> None:
+        super().__init__({**summed, **logged_only})
+        self.logged_only = frozenset(logged_only)
+
+    def values(self) -> dict_values[str, Tensor]:
+        return {k: v for k, v in self.items() if k not in self.logged_only}.values()
 
 
 def _output(loss: nn.Module, total: Tensor, output_dict: bool) -> Tensor | dict[str, Tensor]:
     """open_clip's output; with SVR the dict splits ``total`` into ``contrastive_loss``
-    (carrying the whole gradient) and the detached SVR terms, which sum back to it."""
+    (carrying the whole gradient) and the detached SVR terms, which sum back to it, and
+    adds the radius statistics, logged but not summed (:class:`_LoggedOnly`)."""
     if not output_dict:
         return total
-    terms = loss.loss.terms if isinstance(loss.loss, _SvrTerms) else {}
-    extra = {key: value.to(total.dtype) for key, value in terms.items()}
-    return {"contrastive_loss": total - sum(extra.values()) if extra else total, **extra}
+    if not isinstance(loss.loss, _SvrTerms):
+        return {"contrastive_loss": total}
+    extra = {key: value.to(total.dtype) for key, value in loss.loss.terms.items()}
+    summed = {"contrastive_loss": total - sum(extra.values()), **extra}
+    logged = {key: value.to(total.dtype) for key, value in loss.loss.statistics.items()}
+    return _LoggedOnly(summed, logged)
 
 
 def _follow(loss: nn.Module, features: Tensor) -> None:
