@@ -276,8 +276,9 @@ LENGTH = "the learning-rate schedule is recomputed for the new length from the r
 WARN_ONLY = {
     "epochs": LENGTH,
     "max_steps": LENGTH,
-    "test_manifest": "later evaluations (and the best model) use the new test set",
-    "eval_max_seconds": "later evaluations crop the test clips differently",
+    "val_manifest": "later evaluations (and so best/) use the new validation set",
+    "test_manifest": "the final evaluation uses the new test set",
+    "eval_max_seconds": "later evaluations crop the validation and test clips differently",
     "select_metric": "the best model is chosen by another metric from now on",
     "train_manifest": "the rest of the run trains on the data this manifest lists",
 }

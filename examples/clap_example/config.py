@@ -7,6 +7,7 @@ the command line; the command line wins. Unknown config keys are an error.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -102,7 +103,16 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     """The "data" group: manifests, languages, crops, the audio check."""
     g = p.add_argument_group("data")
     g.add_argument("--train-manifest", help="CSV/JSONL: audio_path,audio_id,caption,language")
-    g.add_argument("--test-manifest", help="evaluated with retrieval_report after every epoch")
+    g.add_argument(
+        "--val-manifest",
+        help="validation set: evaluated with retrieval_report after every epoch; chooses best/ "
+        "(--select-metric). Without it nothing is evaluated during training and no best/ is kept",
+    )
+    g.add_argument(
+        "--test-manifest",
+        help="evaluated once, at the end, on the chosen model (best/ with --val-manifest, else "
+        "the last epoch's weights); not read before the training ends",
+    )
     g.add_argument("--audio-root", help="base of relative audio paths (default: manifest's dir)")
     g.add_argument(
         "--languages",
@@ -115,15 +125,16 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         "--eval-max-seconds",
         type=float,
         default=None,
-        help="crop test clips (default: whole clips, chunked by the encoder)",
+        help="crop validation and test clips (default: whole clips, chunked by the encoder)",
     )
     g.add_argument("--workers", type=int, default=0, help="DataLoader workers")
     g.add_argument(
         "--check-audio",
         default="full",
         choices=CHECK_AUDIO,
-        help="before training, decode every train/test clip and stop on unreadable, truncated "
-        "or non-finite audio, naming the manifest line (header: open the files only; off: skip)",
+        help="decode every training and validation clip before training (test clips: before "
+        "the final evaluation) and stop on unreadable, truncated or non-finite audio, naming "
+        "the manifest line (header: open the files only; off: skip)",
     )
     _add_flag(
         g,
@@ -289,8 +300,8 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--select-metric",
         default="mean_r1",
-        help="best checkpoint: 'mean_r1' (mean R@1 over languages and directions) or a "
-        "flattened retrieval_report key",
+        help="what chooses best/ on --val-manifest: 'mean_r1' (mean R@1 over languages and "
+        "directions) or a flattened retrieval_report key",
     )
     _add_flag(
         g,
@@ -402,6 +413,7 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--pair-language: {args.pair_language} is not in --languages {args.languages}"
             )
+    validate_manifests(args)
     if args.batch_size < 2:
         raise ValueError(
             f"--batch-size: a contrastive batch needs >= 2 clips, got {args.batch_size}"
@@ -421,3 +433,15 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--loss-chunk-size: tiles infonce/siglip/mlclap/kcl/cacl, not ask")
     if args.grad_cache_chunk is not None and args.grad_cache_chunk < 1:
         raise ValueError(f"--grad-cache-chunk: expected >= 1, got {args.grad_cache_chunk}")
+
+
+def validate_manifests(args: argparse.Namespace) -> None:
+    """--val-manifest and --test-manifest are two files (compared by path, neither opened):
+    choosing best/ on the set that reports the final numbers is what the split avoids."""
+    val, test = args.val_manifest, args.test_manifest
+    if val and test and os.path.realpath(val) == os.path.realpath(test):
+        raise ValueError(
+            f"--val-manifest {val} and --test-manifest {test} are the same file: best/ would "
+            "be chosen on the test set; give a validation split (the Tux Paint builder writes "
+            "galleries/val_*.jsonl) or split one off the training manifest"
+        )

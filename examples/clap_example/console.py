@@ -1,6 +1,7 @@
 """What a run prints: one progress bar and one line per epoch, and a closing block that says
-what happened (loss from -> to, test R@1 against chance, where the plots and logs are). Full
-tables go to files (``eval/step-*.md``), not to the console."""
+what happened (loss from -> to, validation and test R@1 against chance, where the plots and
+logs are). Full tables go to files (``eval/step-*.md``, ``eval/test-step-*.md``), not to the
+console."""
 
 from __future__ import annotations
 
@@ -68,14 +69,14 @@ def mean_r1(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def epoch_line(summary: dict[str, Any], epochs: int, table: Path | None) -> str:
-    """``epoch 3/30  step 15  loss 2.345  test R@1 t2a 0.40 a2t 0.35 (best)  1.2 s``."""
+    """``epoch 3/30  step 15  loss 2.345  val R@1 t2a 0.40 a2t 0.35 (best)  1.2 s``."""
     parts = [f"epoch {summary['epoch']}/{epochs}", f"step {summary['step']}"]
     if summary.get("train_loss") is not None:
         parts.append(f"loss {summary['train_loss']:.4f}")
     r1 = mean_r1(summary.get("metrics") or {})
     if r1:
         shown = " ".join(f"{k} {v:.2f}" for k, v in r1.items())
-        parts.append(f"test R@1 {shown}" + (" (best)" if summary.get("best") else ""))
+        parts.append(f"val R@1 {shown}" + (" (best)" if summary.get("best") else ""))
     if summary.get("nonfinite_steps"):
         parts.append(f"{summary['nonfinite_steps']} non-finite steps skipped")
     parts.append(f"{summary.get('epoch_time_s', 0.0):.1f} s")
@@ -84,8 +85,15 @@ def epoch_line(summary: dict[str, Any], epochs: int, table: Path | None) -> str:
     return "  ".join(parts)
 
 
-def closing_lines(run: Path, seconds: float, n_test: int, title: str = "run") -> list[str]:
-    """The run's closing block (at most 10 lines), read from its logs."""
+def closing_lines(
+    run: Path,
+    seconds: float,
+    n_val: int,
+    title: str = "run",
+    test: dict[str, Any] | None = None,
+) -> list[str]:
+    """The run's closing block (at most 10 lines), read from its logs: validation R@1 from
+    the first to the last epoch, and ``test``, the final test evaluation (``final_test``)."""
     folder = RunFolder(run)
     epoch_log = run / "epoch_log.jsonl"
     try:
@@ -104,13 +112,19 @@ def closing_lines(run: Path, seconds: float, n_test: int, title: str = "run") ->
         )
     first = mean_r1(rows[0].get("metrics") or {}) if rows else {}
     last = mean_r1(rows[-1].get("metrics") or {}) if rows else {}
-    if last and n_test:
-        names = {"t2a": "text->audio", "a2t": "audio->text"}
+    names = {"t2a": "text->audio", "a2t": "audio->text"}
+    if last and n_val:
         for key, value in last.items():
             lines.append(
-                f"  test set R@1   {names[key]} {first.get(key, float('nan')):.2f} -> "
-                f"{value:.2f} (mean over languages; chance {1 / n_test:.2f})"
+                f"  val set R@1    {names[key]} {first.get(key, float('nan')):.2f} -> "
+                f"{value:.2f} (mean over languages; chance {1 / n_val:.2f})"
             )
+    if test:
+        shown = ", ".join(f"{names[k]} {v:.2f}" for k, v in mean_r1(test["metrics"]).items())
+        lines.append(
+            f"  test set R@1   {shown} on {test['model']} (epoch {test['epoch']}; chance "
+            f"{1 / test['clips']:.2f})"
+        )
     plots = run / "plots"
     if folder.is_file(plots / "summary.png"):
         lines.append(f"  summary plot   {plots / 'summary.png'}")
@@ -119,7 +133,7 @@ def closing_lines(run: Path, seconds: float, n_test: int, title: str = "run") ->
             lines.append(f"  other plots    {plots}/ ({', '.join(others)})")
     lines.append(f"  logs           {run / 'train_log.csv'}, {epoch_log}")
     if (run / "eval").is_dir():
-        lines.append(f"  test tables    {run / 'eval'}/ (one retrieval table per epoch)")
+        lines.append(f"  tables         {run / 'eval'}/ (step-*.md per epoch, test-step-*.md)")
     if (run / "best").is_dir():
         lines.append(f"  best model     {run / 'best'}/")
     return lines

@@ -6,8 +6,9 @@ is heard (5 sounds x loud/quiet, :func:`~clap_example.synthetic.make_demo_datase
 ``DIR/sonar`` a 2-layer SONAR-shaped text encoder with a tokenizer trained on those captions;
 ``DIR/run`` the run itself (logs, checkpoints, plots). Both towers start from random weights,
 so whatever the run retrieves it learned. Every option is checked (:func:`check_demo`) before
-anything is written; the closing lines say how far the loss fell, the test set's R@1 against
-chance and where ``summary.png`` and the logs are.
+anything is written; the closing lines say how far the loss fell, the validation set's R@1
+per epoch and the test set's R@1 (once, on ``best/``) against chance and where
+``summary.png`` and the logs are.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def demo_defaults(output_dir: str) -> dict[str, Any]:
     return {
         **DEMO_OPTIONS,
         "train_manifest": str(root / "data" / "train.csv"),
+        "val_manifest": str(root / "data" / "val.jsonl"),
         "test_manifest": str(root / "data" / "test.jsonl"),
         "sonar": str(root / "sonar"),
     }
@@ -98,7 +100,7 @@ def prepare_demo(args: argparse.Namespace) -> None:
     root = Path(args.output_dir)
     data, sonar = root / "data", root / "sonar"
     ready = root / ".demo-ready"
-    if not ready.is_file():
+    if not ready.is_file() or not (data / "val.jsonl").is_file():  # older demos had no val
         print(f"[demo] writing the synthetic set to {data} and a tiny text encoder to {sonar}")
         make_demo_dataset(data, per_class_train=DEMO_PER_CLASS)
         make_sonar_dir(sonar, lines=demo_corpus(), d_model=64, layers=2, heads=2, ffn=128)

@@ -1,6 +1,6 @@
-"""Evaluation of the trainer: embedding clips and captions, ``retrieval_report`` on the test
-set, the selection metric and the best model; also the training-set embeddings ASK's bank is
-built from."""
+"""Evaluation of the trainer: embedding clips and captions, ``retrieval_report`` on the
+validation set (every epoch) or the test set (once, ``final_test``), the selection metric and
+the best model; also the training-set embeddings ASK's bank is built from."""
 
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ def is_r1(key: str) -> bool:
 
 
 class Evaluator:
-    """Embeds with the trainer's model; evaluates (rank 0) and keeps ``best/``."""
+    """Embeds with the trainer's model; evaluates (rank 0) and keeps ``best/``.
+
+    ``val_clips`` are what every epoch's evaluation (and so ``best/``) sees; the test set is
+    handed to :meth:`evaluate` only at the end."""
 
     def __init__(
         self,
@@ -42,7 +45,7 @@ class Evaluator:
         trainable: Trainable,
         device: torch.device,
         languages: Sequence[str],
-        test_clips: Sequence[Clip],
+        val_clips: Sequence[Clip],
         out: Path,
     ) -> None:
         self.args = args
@@ -50,7 +53,7 @@ class Evaluator:
         self.model: ClapModel = trainable.model
         self.device = device
         self.languages = list(languages)
-        self.test_clips = list(test_clips)
+        self.val_clips = list(val_clips)
         self.out = out
         self.folder = RunFolder(out)
         self.last_table: Path | None = None  # the latest retrieval table written
@@ -93,17 +96,22 @@ class Evaluator:
         return self._concat(out)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
-        """``retrieval_report`` on the test manifest (rank 0; the others wait)."""
+    def evaluate(
+        self, clips: Sequence[Clip] | None = None, manifest: str | None = None
+    ) -> dict[str, Any]:
+        """``retrieval_report`` on ``clips`` from ``manifest`` (default: the validation set;
+        rank 0, the others wait)."""
         from contrastive_losses.metrics import retrieval_report
 
+        if clips is None:
+            clips, manifest = self.val_clips, self.args.val_manifest
         was_training = self.model.training
         self.model.eval()
-        audio = self.embed_audio(self.test_clips, self.args.eval_max_seconds)
-        texts, langs, c = eval_captions(self.test_clips, self.languages, self.args.test_manifest)
+        audio = self.embed_audio(clips, self.args.eval_max_seconds)
+        texts, langs, c = eval_captions(clips, self.languages, str(manifest))
         text = self.embed_texts(texts, langs)
-        text = text.view(len(self.test_clips), len(self.languages), c, -1)
-        n = len(self.test_clips)
+        text = text.view(len(clips), len(self.languages), c, -1)
+        n = len(clips)
         report = retrieval_report(
             audio,
             text,
@@ -121,8 +129,9 @@ class Evaluator:
         r1 = [v for k, v in metrics.items() if is_r1(k)]
         return float(np.mean(r1)) if r1 else None
 
-    def report_metrics(self, report: Any, step: int) -> dict[str, float]:
-        """Flattened metrics of ``report``; its table kept in ``eval/`` (``last_table``)."""
+    def report_metrics(self, report: Any, step: int, prefix: str = "") -> dict[str, float]:
+        """Flattened metrics of ``report``; its table kept in ``eval/`` (``last_table``:
+        ``step-N.md`` for a validation, ``test-step-N.md`` with ``prefix="test-"``)."""
         wanted = ("per_language", "average", "mrv")
         if isinstance(report, dict) and all(key in report for key in wanted):
             metrics = flatten_metrics({key: report[key] for key in wanted})
@@ -131,7 +140,7 @@ class Evaluator:
         self.last_table = None
         if hasattr(report, "to_markdown"):
             table = report.to_markdown()
-            self.last_table = self.out / "eval" / f"step-{step:08d}.md"
+            self.last_table = self.out / "eval" / f"{prefix}step-{step:08d}.md"
             self.folder.write_text(self.last_table, table + "\n")
         return metrics
 

@@ -1,9 +1,10 @@
 """PNG plots of a run, from its logs.
 
 ``plots/summary.png`` is the one to open first, readable in ten seconds: the training loss (raw
-and smoothed) with its terms; the loss's temperature and radius on their own axes; the test
-set's R@1 per epoch (mean over languages, both directions) against chance; and the final R@1
-per language as bars. Beside it, in more detail: ``loss.png`` (every term, per language
+and smoothed) with its terms; the loss's temperature and radius on their own axes; the
+validation set's R@1 per epoch (mean over languages, both directions) against chance; and the
+last epoch's R@1 per language as bars (the test set is evaluated once, after the plots:
+``summary.json``). Beside it, in more detail: ``loss.png`` (every term, per language
 too), ``retrieval_r1.png`` (R@1 per language, one panel per direction) and
 ``lr_and_params.png`` (learning rate and each scalar parameter on its own axis).
 """
@@ -170,18 +171,18 @@ def summary_figure(plt: Any, out_dir: Path, steps: list, epochs: list, chance: f
         param_ax.set_title("Loss parameters: temperature and radius")
     if epochs:
         _r1_epochs(r1_ax, epochs, chance)
-        r1_ax.set_title("TEST SET: R@1 per epoch (higher is better)")
+        r1_ax.set_title("VALIDATION SET: R@1 per epoch (higher is better)")
         _final_bars(bar_ax, epochs[-1], chance)
-        bar_ax.set_title(f"TEST SET: R@1 per language after epoch {epochs[-1]['epoch']}")
+        bar_ax.set_title(f"VALIDATION SET: R@1 per language after epoch {epochs[-1]['epoch']}")
     else:
         for ax in (r1_ax, bar_ax):
-            ax.text(0.5, 0.5, "no test set (--test-manifest)", ha="center")
+            ax.text(0.5, 0.5, "no validation set (--val-manifest)", ha="center")
             ax.set_axis_off()
     headline = [f"Run {out_dir}"]
     if epochs:
         both = [v for t in r1_by_language(epochs[-1]["metrics"]).values() for v in t.values()]
         if both:
-            headline.append(f"final test R@1 {np.mean(both):.2f}")
+            headline.append(f"last validation R@1 {np.mean(both):.2f}")
             if chance is not None:
                 headline[-1] += f" (chance {chance:.2f})"
     fig.suptitle("   |   ".join(headline), fontsize=13, fontweight="bold")
@@ -191,7 +192,7 @@ def summary_figure(plt: Any, out_dir: Path, steps: list, epochs: list, chance: f
 
 def plot_run(out_dir: str | Path, chance: float | None = None) -> list[Path]:
     """Write ``plots/summary.png`` and the detailed plots under ``out_dir``; ``chance`` is the
-    R@1 of a random ranking (1 / test clips), drawn as a line. Returns the files written."""
+    R@1 of a random ranking (1 / validation clips), drawn as a line. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -262,7 +263,7 @@ def _retrieval(plt: Any, epochs: list[dict[str, Any]], chance: float | None) -> 
         means = [float(np.mean(list(t.values()))) if t else np.nan for t in tables]
         ax.plot(x, means, color="black", lw=2.4, label="mean")
         _chance_line(ax, chance)
-        ax.set_title(f"TEST SET R@1, {label}")
+        ax.set_title(f"VALIDATION SET R@1, {label}")
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(0, 1.05)

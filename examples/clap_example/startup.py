@@ -57,12 +57,12 @@ RUN_DIRS = ("checkpoints", "best", "eval", "plots", "tensorboard")
 
 @dataclass
 class RunData:
-    """The run's clips, batches and step counts."""
+    """The run's clips, batches and step counts (the test set is read at the end)."""
 
     languages: list[str]
     mode: str
     train_clips: list[Clip]
-    test_clips: list[Clip]
+    val_clips: list[Clip]
     train_set: TrainDataset
     sampler: EpochBatchSampler
     steps_per_epoch: int
@@ -85,10 +85,16 @@ def read_data(args: argparse.Namespace, rank: int, world: int) -> RunData:
             f"--pair-language {args.pair_language}",
             args.train_manifest,
         )
-    test_clips: list[Clip] = []
-    if args.test_manifest:
-        test_clips = read_manifest(args.test_manifest, languages, args.audio_root, contain=contain)
-        eval_captions(test_clips, languages, args.test_manifest)  # validate early
+    val_clips: list[Clip] = []
+    if args.val_manifest:
+        val_clips = read_eval_manifest(args, args.val_manifest, languages)
+    if args.test_manifest and not Path(args.test_manifest).is_file():
+        # Only checked by stat: the test set is opened and read after the model is chosen.
+        what = "not a regular file" if Path(args.test_manifest).exists() else "no such file"
+        raise ManifestError(
+            f"--test-manifest {args.test_manifest}: {what} (the test set is read once, at "
+            "the end of training)"
+        )
     train_set = TrainDataset(train_clips, languages, args.max_seconds, args.seed)
     sampler = EpochBatchSampler(
         len(train_set), args.batch_size, seed=args.seed, rank=rank, world_size=world
@@ -103,8 +109,15 @@ def read_data(args: argparse.Namespace, rank: int, world: int) -> RunData:
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
     return RunData(
-        languages, mode, train_clips, test_clips, train_set, sampler, steps_per_epoch, total_steps
+        languages, mode, train_clips, val_clips, train_set, sampler, steps_per_epoch, total_steps
     )
+
+
+def read_eval_manifest(args: argparse.Namespace, path: str, languages: list[str]) -> list[Clip]:
+    """The clips of a validation or test manifest, every clip captioned in every language."""
+    clips = read_manifest(path, languages, args.audio_root, contain=args.contain_audio_paths)
+    eval_captions(clips, languages, path)  # validated now, not at the first evaluation
+    return clips
 
 
 def check_sources(args: argparse.Namespace, generated: tuple[str, ...] = ()) -> None:
@@ -169,12 +182,15 @@ def prepare_output_dir(out: Path, overwrite: bool) -> None:
                 folder.remove(stale)
 
 
-def check_clips(args: argparse.Namespace, data: RunData, rank: int, world: int) -> None:
-    """Decode every clip once before training (--check-audio), each rank a share."""
+def check_clips(
+    args: argparse.Namespace, data: RunData | list[Clip], rank: int, world: int
+) -> None:
+    """Decode every clip once (--check-audio), each rank a share: the training and validation
+    clips before training (``data``), the test clips (a list, rank 0) before their evaluation."""
     mode = args.check_audio
     if mode == "off":
         return
-    clips = data.train_clips + data.test_clips
+    clips = data if isinstance(data, list) else data.train_clips + data.val_clips
     started = time.time()
     problems = check_audio(clips[rank::world], decode=mode == "full", workers=args.workers)
     if world > 1:

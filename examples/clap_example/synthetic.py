@@ -91,13 +91,16 @@ def make_dataset(
     seed: int = 0,
     drop_language_every: int = 4,
     test_captions: int = 2,
+    n_val: int = 0,
 ) -> dict[str, Path]:
-    """Write wav clips and ``train.csv`` / ``test.jsonl`` manifests under ``directory``.
+    """Write wav clips and ``train.csv`` / ``test.jsonl`` (and, with ``n_val``, ``val.jsonl``)
+    manifests under ``directory``.
 
     Training clips use mixed sample rates (16, 22.05, 44.1 kHz) and some are stereo, so loading
     resamples and downmixes. Every ``drop_language_every``-th training clip lacks its last
     language (exercises the KCL mask); English and the second language are always present.
-    Test clips have ``test_captions`` captions in every language.
+    Test and validation clips have ``test_captions`` captions in every language (validation
+    clips are drawn after the test clips, so ``n_val`` leaves the other splits as they were).
     """
     import soundfile as sf
 
@@ -107,8 +110,8 @@ def make_dataset(
     rng = np.random.default_rng(seed)
     kinds = list(SOUNDS)
     rates = (16_000, 22_050, 44_100)
-    rows: dict[str, list[dict[str, str]]] = {"train": [], "test": []}
-    for split, count in (("train", n_train), ("test", n_test)):
+    rows: dict[str, list[dict[str, str]]] = {"train": [], "test": [], "val": []}
+    for split, count in (("train", n_train), ("test", n_test), ("val", n_val)):
         for i in range(count):
             kind = kinds[i % len(kinds)]
             sr = rates[i % len(rates)] if split == "train" else 16_000
@@ -119,7 +122,7 @@ def make_dataset(
             audio_id = f"{split}_{i:03d}_{kind}"
             path = audio_dir / f"{audio_id}.wav"
             sf.write(str(path), wave, sr)
-            n_caps = test_captions if split == "test" else 1
+            n_caps = 1 if split == "train" else test_captions
             for j, lang in enumerate(languages):
                 if (
                     split == "train"
@@ -147,17 +150,22 @@ def make_dataset(
 def write_manifests(
     directory: Path, rows: dict[str, list[dict[str, str]]], audio_dir: Path
 ) -> dict[str, Path]:
-    """``train.csv`` and ``test.jsonl`` from the rows of each split."""
+    """``train.csv``, ``test.jsonl`` and (when it has rows) ``val.jsonl`` from the rows of
+    each split."""
     train = directory / "train.csv"
     with train.open("w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["audio_path", "audio_id", "caption", "language"])
         writer.writeheader()
         writer.writerows(rows["train"])
-    test = directory / "test.jsonl"
-    with test.open("w", encoding="utf-8") as f:
-        for row in rows["test"]:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return {"train": train, "test": test, "audio": audio_dir}
+    out = {"train": train, "audio": audio_dir}
+    for split in ("test", "val"):
+        if split == "val" and not rows.get("val"):
+            continue
+        out[split] = directory / f"{split}.jsonl"
+        with out[split].open("w", encoding="utf-8") as f:
+            for row in rows[split]:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return out
 
 
 def corpus(languages: Sequence[str] = LANGUAGES3) -> list[str]:
@@ -255,9 +263,11 @@ def tiny_ced_config(**overrides: Any) -> dict[str, Any]:
 
 def tiny_run_config(data: dict[str, Path], sonar: str | os.PathLike[str]) -> dict[str, Any]:
     """Trainer options of a tiny CPU run on :func:`make_dataset`'s data and the encoder of
-    :func:`make_sonar_dir` (one epoch, no progress bars or plots); add ``output_dir``."""
+    :func:`make_sonar_dir` (one epoch, no progress bars or plots; the validation set when the
+    data has one); add ``output_dir``."""
     return {
         "train_manifest": str(data["train"]),
+        "val_manifest": str(data["val"]) if "val" in data else None,
         "test_manifest": str(data["test"]),
         "sonar": str(sonar),
         "languages": list(LANGUAGES3),
@@ -337,8 +347,9 @@ def make_demo_dataset(
     Each training clip has one caption in each of English, French and German that names what
     is heard (the sound and whether it is loud or quiet). The test set has one clip per class
     with its caption in every language, so text-to-audio R@1 is 1.0 for a model that hears
-    both the sound and the level, 0.5 for one that hears the sound only, and 0.1 by chance.
-    Writes 16 kHz mono wav files and ``train.csv`` / ``test.jsonl`` under ``directory``.
+    both the sound and the level, 0.5 for one that hears the sound only, and 0.1 by chance;
+    the validation set is built the same way from other draws. Writes 16 kHz mono wav files
+    and ``train.csv`` / ``val.jsonl`` / ``test.jsonl`` under ``directory``.
     """
     import soundfile as sf
 
@@ -348,8 +359,8 @@ def make_demo_dataset(
     rng = np.random.default_rng(seed)
     sr = 16_000
     classes = [(kind, level) for kind in DEMO_SOUNDS for level in DEMO_LEVELS]
-    splits = {"train": per_class_train, "test": 1}
-    rows: dict[str, list[dict[str, str]]] = {"train": [], "test": []}
+    splits = {"train": per_class_train, "test": 1, "val": 1}  # val last: the others unchanged
+    rows: dict[str, list[dict[str, str]]] = {"train": [], "test": [], "val": []}
     for split, per_class in splits.items():
         for i in range(per_class):
             for kind, level in classes:

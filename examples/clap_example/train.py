@@ -39,6 +39,7 @@ from .distributed import (
     ranks_in_sync,
 )
 from .evaluation import Evaluator, build_bank_if_due
+from .final_test import final_test, selection_record, start_note
 from .logs import flatten_metrics, open_logs, peak_memory_mb, step_record
 from .objective import (
     Trainable,
@@ -97,7 +98,7 @@ class Trainer:
         # Data first: manifest errors should come before minutes of model loading.
         data = read_data(args, self.rank, self.world)
         self.languages, self.mode = data.languages, data.mode
-        self.train_clips, self.test_clips = data.train_clips, data.test_clips
+        self.train_clips, self.val_clips = data.train_clips, data.val_clips
         self.train_set, self.sampler = data.train_set, data.sampler
         self.steps_per_epoch, self.total_steps = data.steps_per_epoch, data.total_steps
         self.checkpoints = TrainerCheckpoints(self)
@@ -133,7 +134,7 @@ class Trainer:
         torch.manual_seed(seed)
         self.lang_gen = torch.Generator().manual_seed(seed + 17)
         self.evaluator = Evaluator(
-            args, self.trainable, self.device, self.languages, self.test_clips, self.out
+            args, self.trainable, self.device, self.languages, self.val_clips, self.out
         )
 
         self.step = 0
@@ -236,15 +237,19 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train to --epochs / --max-steps, evaluating and checkpointing after every epoch.
+        """Train to --epochs / --max-steps, evaluating on --val-manifest and checkpointing
+        after every epoch, then evaluate --test-manifest once on the chosen model.
 
         An epoch is *closed* by its row in ``epoch_log.jsonl`` (evaluation, best model) and the
         checkpoint after it; a run resumed from a checkpoint taken after the epoch's last step
-        but before it was closed closes it first.
+        but before it was closed closes it first. ``summary.json``, written last, marks the run
+        complete: a run killed in the test evaluation repeats only that on ``--resume``.
         """
         args = self.args
         if self.already_complete:
             return read_summary(self.out)
+        if self.is_main:
+            print(start_note(args), flush=True)
         with self.stop.installed():
             while self.epoch < args.epochs:
                 epoch = self.epoch
@@ -260,15 +265,19 @@ class Trainer:
         if self.is_main and args.plots:
             from .plots import plot_run
 
-            plot_run(self.out, chance=1 / len(self.test_clips) if self.test_clips else None)
+            plot_run(self.out, chance=1 / len(self.val_clips) if self.val_clips else None)
+        in_sync = self.ranks_in_sync()  # before rank 0 loads best/ for the test set
+        selection = selection_record(args, self.history)
         result = {
             "step": self.step,
             "epoch": self.epoch,
             "best": self.best,
+            "selection": selection,
+            "test": final_test(self, selection),
             "history": self.history,
             "world_size": self.world,
             "peak_memory_mb": peak_memory_mb(self.device),
-            "ranks_in_sync": self.ranks_in_sync(),
+            "ranks_in_sync": in_sync,
         }
         if self.is_main:
             self.folder.write_text(
@@ -383,11 +392,11 @@ class Trainer:
     # --- evaluation -----------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, Any]:
-        """``retrieval_report`` on the test manifest (rank 0; the others wait)."""
+        """``retrieval_report`` on the validation manifest (rank 0; the others wait)."""
         return self.evaluator.evaluate()
 
     def _evaluate_and_select(self) -> dict[str, Any]:
-        if not self.test_clips:
+        if not self.val_clips:
             return {}
         report = self.evaluate() if self.is_main else None
         out, self.best = self.evaluator.select(
@@ -424,7 +433,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if trainer.is_main and not trainer.already_complete:
             seconds = time.time() - started
             title = "demo" if args.demo else "run"
-            lines = closing_lines(trainer.out, seconds, len(trainer.test_clips), title)
+            lines = closing_lines(
+                trainer.out, seconds, len(trainer.val_clips), title, result.get("test")
+            )
             print("\n".join(lines), flush=True)
         return result
     finally:

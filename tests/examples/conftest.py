@@ -19,9 +19,9 @@ from clap_example.synthetic import make_dataset, make_sonar_dir, tiny_run_config
 
 @pytest.fixture(scope="session")
 def synthetic_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """16 training clips (2-3 s, mixed sample rates, some stereo, some missing German) and 8 test
-    clips with 2 captions per language."""
-    return make_dataset(tmp_path_factory.mktemp("data"), n_train=16, n_test=8)
+    """16 training clips (2-3 s, mixed sample rates, some stereo, some missing German), 8 test
+    and 8 validation clips with 2 captions per language."""
+    return make_dataset(tmp_path_factory.mktemp("data"), n_train=16, n_test=8, n_val=8)
 
 
 @pytest.fixture(scope="session")

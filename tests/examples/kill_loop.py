@@ -127,7 +127,7 @@ def make_config(workdir: Path) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "examples"))
     from clap_example.synthetic import make_dataset, make_sonar_dir, tiny_run_config
 
-    data = make_dataset(workdir / "data", n_train=16, n_test=8)
+    data = make_dataset(workdir / "data", n_train=16, n_test=8, n_val=8)
     return {**tiny_run_config(data, make_sonar_dir(workdir / "sonar")), **LOOP_SETTINGS}
 
 

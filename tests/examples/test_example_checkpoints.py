@@ -28,6 +28,7 @@ CFG = {
     "loss": "infonce",
     "epochs": 1,
     "test_manifest": None,
+    "val_manifest": None,
     "save_every_steps": 1,
     "keep_checkpoints": 3,
 }

@@ -90,7 +90,9 @@ def one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> Non
 @pytest.fixture
 def config_file(tmp_path: Path, base_config: dict[str, Any]) -> Path:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**base_config, "test_manifest": None, "max_steps": 1}))
+    path.write_text(
+        json.dumps({**base_config, "test_manifest": None, "val_manifest": None, "max_steps": 1})
+    )
     return path
 
 
@@ -153,7 +155,7 @@ def test_a_second_ctrl_c_says_it_stops_without_saving_and_where_a_resume_restart
         monkeypatch.setattr(Trainer, "train_step", twice)
         with pytest.raises(SystemExit) as info:
             run(tmp_path / "run", base_config, loss="infonce", save_every_steps=2,
-                test_manifest=None)  # fmt: skip
+                test_manifest=None, val_manifest=None)  # fmt: skip
     finally:
         signal.signal(signal.SIGINT, previous)
     assert info.value.code == 130

@@ -161,7 +161,11 @@ def test_a_removal_through_a_swapped_directory_touches_nothing_outside(
         ("eval", "atomic_write", {}),  # the retrieval table, at the end of epoch 1
         ("checkpoints", "atomic_write", {"save_every_steps": 1}),  # step 1's rng-rank0.pt
         ("best", "atomic_write", {}),  # the best model
-        (".", "append_line", {"test_manifest": None}),  # the first train_log.jsonl row
+        (
+            ".",
+            "append_line",
+            {"test_manifest": None, "val_manifest": None},
+        ),  # the first train_log.jsonl row
     ],
 )
 def test_a_run_folder_swapped_just_before_a_write_writes_nothing_outside(
@@ -369,7 +373,13 @@ def test_training_audio_that_becomes_a_fifo_is_an_error_naming_the_line(
         return clips
 
     monkeypatch.setattr(startup, "read_manifest", read_then_swap)
-    cfg = {**base_config, "loss": "infonce", "epochs": 1, "test_manifest": None}
+    cfg = {
+        **base_config,
+        "loss": "infonce",
+        "epochs": 1,
+        "test_manifest": None,
+        "val_manifest": None,
+    }
     with pytest.raises(ManifestError, match=r":\d+: audio file .*: a FIFO \(named pipe\)"):
         run(tmp_path / "run", cfg, check_audio="off")
     assert fifo
@@ -513,6 +523,6 @@ def test_tensorboard_swapped_for_a_link_while_it_writes_sends_nothing_outside(
 
     monkeypatch.setattr(ScalarBoard, "step", swap_then_step)
     cfg = {**base_config, "loss": "infonce", "epochs": 1, "max_steps": 2, "tensorboard": True}
-    run(out, cfg, test_manifest=None)
+    run(out, cfg, test_manifest=None, val_manifest=None)
     assert files_under(outside) == {}
     assert list((out / "tensorboard.moved").glob("events.out.tfevents.*"))

@@ -215,12 +215,20 @@ def test_the_closing_lines_say_what_happened(tmp_path: Path) -> None:
     run = tmp_path / "run"
     fake_run(run)
     plot_run(run, chance=0.1)
-    lines = closing_lines(run, 61.0, n_test=10, title="demo")
-    assert len(lines) <= 10
+    (run / "best").mkdir()
+    (run / "eval").mkdir()
+    test = {"model": "best/", "epoch": 4, "clips": 8, "metrics": {
+        "per_language/eng_Latn/t2a/R@1": 0.5, "per_language/fra_Latn/t2a/R@1": 0.25,
+        "per_language/eng_Latn/a2t/R@1": 0.5, "per_language/fra_Latn/a2t/R@1": 0.5}}  # fmt: skip
+    lines = closing_lines(run, 61.0, n_val=10, title="demo", test=test)
+    assert len(lines) <= 10, lines
     text = "\n".join(lines)
     assert lines[0] == "demo finished in 61 s (4 epochs, 20 steps)"
     assert "training loss  2.500 -> 1.000 (60% lower" in text
-    assert "text->audio 0.12 -> 0.72 (mean over languages; chance 0.10)" in text
+    assert "val set R@1    text->audio 0.12 -> 0.72 (mean over languages; chance 0.10)" in text
+    assert (
+        "test set R@1   text->audio 0.38, audio->text 0.50 on best/ (epoch 4; chance 0.12)" in text
+    )
     assert f"summary plot   {run / 'plots' / 'summary.png'}" in text
 
 
@@ -234,7 +242,7 @@ def test_one_line_per_epoch_and_a_plain_bar_without_tqdm(
     }  # fmt: skip
     line = epoch_line(summary, 30, tmp_path / "run" / "eval" / "step-00000015.md")
     assert line == (
-        "epoch 3/30  step 15  loss 2.3456  test R@1 t2a 0.40 (best)  1.2 s  "
+        "epoch 3/30  step 15  loss 2.3456  val R@1 t2a 0.40 (best)  1.2 s  "
         "table eval/step-00000015.md"
     )
     monkeypatch.setitem(sys.modules, "tqdm", None)
@@ -274,7 +282,7 @@ def test_summary_png_and_the_detailed_plots(tmp_path: Path) -> None:
     assert {line.get_label() for line in param_ax.lines} == {"temperature"}
     assert any(a.get_ylabel() == "radius" for a in fig.axes[4:])  # its own axis
     for ax in (r1_ax, bar_ax):
-        assert ax.get_title().startswith("TEST SET")
+        assert ax.get_title().startswith("VALIDATION SET")
         assert any(line.get_label() == "chance (0.10)" for line in ax.lines)
     means = {line.get_label(): list(line.get_ydata()) for line in r1_ax.lines}
     assert means["mean of both"][-1] == pytest.approx(0.72)  # (0.74 + 0.70) / 2

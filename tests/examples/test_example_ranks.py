@@ -121,6 +121,7 @@ def test_an_extra_evaluation_batch_on_one_rank_raises_on_both(
         "max_steps": 2,
         "batch_size": 3,
         "test_manifest": None,
+        "val_manifest": None,
         "output_dir": str(tmp_path / "ddp"),
     }
     config = tmp_path / "ddp.json"

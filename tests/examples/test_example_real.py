@@ -149,6 +149,7 @@ def _options(manifests: Path, out: Path, **extra: Any) -> dict[str, Any]:
     stats = json.loads((manifests / "stats.json").read_text())
     return {
         "train_manifest": str(manifests / "train.jsonl"),
+        "val_manifest": str(manifests / "galleries" / "val_fra_Latn.jsonl"),
         "test_manifest": str(manifests / "galleries" / "test_fra_Latn.jsonl"),
         "languages": stats["languages"],
         "audio_encoder": "cnn",
@@ -189,6 +190,12 @@ def test_trainer_runs_on_built_manifests(
     metrics = result["history"][-1]["metrics"]
     for lang in ("eng_Latn", "fra_Latn", "rus_Cyrl", "deu_Latn"):  # per-language report
         assert any(lang in key for key in metrics), lang
+    # best/ chosen on the builder's val gallery; the test gallery evaluated once, on it
+    assert result["selection"]["manifest"].endswith("val_fra_Latn.jsonl")
+    assert result["test"]["model"] == "best/"
+    assert result["test"]["step"] == result["selection"]["step"]
+    for lang in ("eng_Latn", "fra_Latn", "rus_Cyrl", "deu_Latn"):
+        assert f"per_language/{lang}/t2a/R@1" in result["test"]["metrics"], lang
     assert (out / "plots" / "summary.png").is_file()
     computed = len(backend.seen)
     assert computed == len(set(backend.seen)) > 0
@@ -199,6 +206,17 @@ def test_trainer_runs_on_built_manifests(
     assert again.seen == []
 
 
+def test_the_shipped_config_selects_on_the_builders_val_split(tiny_manifests: Path) -> None:
+    """tuxpaint_cpu.json chooses best/ on a val gallery and tests on a test gallery, both
+    files the builder writes (its paths are under the README's --out data/tuxpaint)."""
+    shipped = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tuxpaint_cpu.json"
+    config = json.loads(shipped.read_text())
+    for key, split in (("val_manifest", "val"), ("test_manifest", "test")):
+        relative = Path(config[key]).relative_to("data/tuxpaint")
+        assert relative.parent.name == "galleries" and relative.name.startswith(f"{split}_")
+        assert (tiny_manifests / relative).is_file(), relative
+
+
 def test_resume_reproduces_the_following_steps(
     tiny_manifests: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,7 +224,8 @@ def test_resume_reproduces_the_following_steps(
     mid-epoch from step 3 repeats the uninterrupted run's later steps exactly."""
     monkeypatch.setattr(e5, "load_backend", FakeBackend)
     options = _options(
-        tiny_manifests, tmp_path / "full", test_manifest=None, save_every_steps=1,
+        tiny_manifests, tmp_path / "full", test_manifest=None, val_manifest=None,
+        save_every_steps=1,
         keep_checkpoints=20, cnn_config={"channels": 16, "layers": 2, "embed_dim": 16,
                                           "dropout": 0.3},
     )  # fmt: skip

@@ -322,7 +322,7 @@ def test_a_nan_loss_skips_the_step(
 ) -> None:
     nan_at(monkeypatch, {2})
     out = tmp_path / "run"
-    run(out, cfg, epochs=1, test_manifest=None, keep_checkpoints=10)
+    run(out, cfg, epochs=1, test_manifest=None, val_manifest=None, keep_checkpoints=10)
     log = rows(out / "train_log.jsonl")
     assert [r["skipped"] for r in log] == [0, 1, 0, 0]
     assert log[-1]["nonfinite_steps"] == 1
@@ -342,16 +342,22 @@ def test_consecutive_nan_losses_stop_with_a_clear_error(
     nan_at(monkeypatch, set(range(2, 100)))
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match=r"3 steps in a row.*--max-nonfinite-steps"):
-        run(out, cfg, test_manifest=None, max_nonfinite_steps=3)
+        run(out, cfg, test_manifest=None, val_manifest=None, max_nonfinite_steps=3)
     final = load_state(latest_dir(out))["model"]
     assert all(torch.isfinite(v).all() for v in final.values() if v.is_floating_point())
 
 
 def test_nan_weights_are_never_saved(tmp_path: Path, cfg: dict[str, Any]) -> None:
     out = tmp_path / "run"
-    run(out, cfg, epochs=1, max_steps=1, test_manifest=None)
+    run(out, cfg, epochs=1, max_steps=1, test_manifest=None, val_manifest=None)
     before = (out / "checkpoints" / "latest").read_text()
-    values = {**cfg, "output_dir": str(out), "resume": "auto", "test_manifest": None}
+    values = {
+        **cfg,
+        "output_dir": str(out),
+        "resume": "auto",
+        "test_manifest": None,
+        "val_manifest": None,
+    }
     config = tmp_path / "nan.json"
     config.write_text(json.dumps(values))
     trainer = Trainer(train_mod.parse_args(["--config", str(config)]))
@@ -370,13 +376,22 @@ def test_non_empty_output_dir_needs_resume_or_overwrite(
     tmp_path: Path, cfg: dict[str, Any]
 ) -> None:
     out = tmp_path / "run"
-    run(out, cfg, epochs=1, max_steps=2, test_manifest=None)
+    run(out, cfg, epochs=1, max_steps=2, test_manifest=None, val_manifest=None)
     log_before = (out / "train_log.jsonl").read_bytes()
     with pytest.raises(FileExistsError, match=r"--resume auto.*--overwrite"):
-        run(out, cfg, epochs=1, max_steps=1, test_manifest=None)
+        run(out, cfg, epochs=1, max_steps=1, test_manifest=None, val_manifest=None)
     assert (out / "train_log.jsonl").read_bytes() == log_before
     assert (latest_dir(out) / "state.pt").is_file()
-    run(out, cfg, epochs=1, max_steps=1, test_manifest=None, overwrite=True, save_every_steps=0)
+    run(
+        out,
+        cfg,
+        epochs=1,
+        max_steps=1,
+        test_manifest=None,
+        val_manifest=None,
+        overwrite=True,
+        save_every_steps=0,
+    )
     assert [r["step"] for r in rows(out / "train_log.jsonl")] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000001"]
 
@@ -441,14 +456,13 @@ def copy_manifest_with(src: Path, dst: Path, line: int, audio: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("kind", ["garbage", "truncated", "nan"])
-def test_bad_test_audio_fails_before_training(
-    tmp_path: Path, cfg: dict[str, Any], synthetic_data: dict[str, Path], kind: str
-) -> None:
-    bad = tmp_path / ("bad.flac" if kind == "truncated" else "bad.wav")
+def bad_audio(directory: Path, kind: str) -> Path:
+    """An audio file that cannot be used: ``garbage``, ``truncated`` (the header intact,
+    decoding fails half-way) or ``nan`` (a non-finite sample)."""
+    bad = directory / ("bad.flac" if kind == "truncated" else "bad.wav")
     if kind == "garbage":
         bad.write_bytes(b"RIFF" + os.urandom(2000))
-    elif kind == "truncated":  # the header is intact, decoding fails half-way
+    elif kind == "truncated":
         noise = np.random.default_rng(0).standard_normal(64000).astype(np.float32) * 0.1
         sf.write(str(bad), noise, 16000)
         bad.write_bytes(bad.read_bytes()[:50000])
@@ -456,16 +470,43 @@ def test_bad_test_audio_fails_before_training(
         wave = np.zeros(16000, dtype=np.float32)
         wave[100] = np.nan
         sf.write(str(bad), wave, 16000, subtype="FLOAT")
-    manifest = copy_manifest_with(synthetic_data["test"], tmp_path / "test.jsonl", 5, bad)
-    line = next(
+    return bad
+
+
+def manifest_line(manifest: Path, audio: Path) -> int:
+    return next(
         i
         for i, text in enumerate(manifest.read_text().splitlines(), start=1)
-        if json.loads(text)["audio_path"] == str(bad)
+        if json.loads(text)["audio_path"] == str(audio)
     )
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated", "nan"])
+def test_bad_validation_audio_fails_before_training(
+    tmp_path: Path, cfg: dict[str, Any], synthetic_data: dict[str, Path], kind: str
+) -> None:
+    bad = bad_audio(tmp_path, kind)
+    manifest = copy_manifest_with(synthetic_data["val"], tmp_path / "val.jsonl", 5, bad)
+    line = manifest_line(manifest, bad)
     out = tmp_path / "run"
     with pytest.raises(ManifestError, match=rf"{manifest}:{line}: .*{bad.name}"):
-        run(out, cfg, test_manifest=str(manifest))
+        run(out, cfg, val_manifest=str(manifest))
     assert not (out / "train_log.jsonl").exists()  # before any training step
+
+
+def test_bad_test_audio_fails_before_the_test_evaluation(
+    tmp_path: Path, cfg: dict[str, Any], synthetic_data: dict[str, Path]
+) -> None:
+    """The test set is read after the training (``final_test``): --check-audio checks its
+    clips then, before its one evaluation, naming the line; the run's files stay."""
+    bad = bad_audio(tmp_path, "truncated")
+    manifest = copy_manifest_with(synthetic_data["test"], tmp_path / "test.jsonl", 5, bad)
+    line = manifest_line(manifest, bad)
+    out = tmp_path / "run"
+    with pytest.raises(ManifestError, match=rf"{manifest}:{line}: .*{bad.name}"):
+        run(out, cfg, epochs=1, test_manifest=str(manifest))
+    assert len(rows(out / "train_log.jsonl")) == 4 and (out / "best" / "state.pt").is_file()
+    assert not (out / "summary.json").exists()
 
 
 def test_check_audio_off_skips_the_pass(
@@ -570,7 +611,7 @@ def test_disk_full_names_the_path_and_enospc(
 
     monkeypatch.setattr(os, "write", full_write)
     with pytest.raises(OSError, match=rf"{out}/{where}.*ENOSPC") as info:
-        run(out, cfg, epochs=1, test_manifest=None)
+        run(out, cfg, epochs=1, test_manifest=None, val_manifest=None)
     assert info.value.errno == errno.ENOSPC
     assert not list(out.rglob(".tmp-*"))  # no temp files left behind
 
@@ -614,7 +655,7 @@ def test_nan_guard_with_the_fp16_grad_scaler(
     counted; the scaler keeps working (its next unscale_/step/update run)."""
     nan_at(monkeypatch, {2})
     out = tmp_path / "run"
-    run(out, cfg, epochs=1, test_manifest=None, amp="fp16", max_steps=3)
+    run(out, cfg, epochs=1, test_manifest=None, val_manifest=None, amp="fp16", max_steps=3)
     log = rows(out / "train_log.jsonl")
     assert log[1]["skipped"] == 1 and [r["nonfinite_steps"] for r in log] == [0, 1, 1]
     state = load_state(latest_dir(out))

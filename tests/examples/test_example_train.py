@@ -90,6 +90,7 @@ def test_every_loss_and_svr_mode_trains(
         svr_direction=direction,
         max_steps=2,
         test_manifest=None,
+        val_manifest=None,
         **extra,
     )
     out = tmp_path / "run"
@@ -108,7 +109,16 @@ def test_every_loss_and_svr_mode_trains(
 
 
 def test_two_epochs_loss_falls(tmp_path: Path, base_config: dict[str, Any]) -> None:
-    result = run(tmp_path, base_config, "fit", loss="kcl", epochs=2, test_manifest=None, plots=True)
+    result = run(
+        tmp_path,
+        base_config,
+        "fit",
+        loss="kcl",
+        epochs=2,
+        test_manifest=None,
+        val_manifest=None,
+        plots=True,
+    )
     history = result["history"]
     assert [h["epoch"] for h in history] == [1, 2]
     assert history[1]["train_loss"] < history[0]["train_loss"]
@@ -146,6 +156,7 @@ def test_resume_reproduces_the_following_steps(
         "loss": loss,
         "epochs": 2,
         "test_manifest": None,
+        "val_manifest": None,
         "ced_config": {**base_config["ced_config"], "drop_rate": 0.1},
         "sonar_config": {"dropout": 0.1, "activation_dropout": 0.1},
         "save_every_steps": 1,
@@ -183,6 +194,7 @@ def test_ask_bank_is_refreshed_and_restored_on_resume(
         "pair_language": "random",
         "epochs": 2,
         "test_manifest": None,
+        "val_manifest": None,
         "save_every_steps": 1,
         "keep_checkpoints": 20,
     }
@@ -203,16 +215,40 @@ def test_ask_bank_is_refreshed_and_restored_on_resume(
 def test_resume_auto_continues_in_the_output_dir(
     tmp_path: Path, base_config: dict[str, Any]
 ) -> None:
-    run(tmp_path, base_config, "auto", loss="infonce", epochs=1, max_steps=2, test_manifest=None)
+    run(
+        tmp_path,
+        base_config,
+        "auto",
+        loss="infonce",
+        epochs=1,
+        max_steps=2,
+        test_manifest=None,
+        val_manifest=None,
+    )
     result = run(
-        tmp_path, base_config, "auto", loss="infonce", epochs=2, resume="auto", test_manifest=None
+        tmp_path,
+        base_config,
+        "auto",
+        loss="infonce",
+        epochs=2,
+        resume="auto",
+        test_manifest=None,
+        val_manifest=None,
     )
     assert result["step"] == 8
     assert [r["step"] for r in steps(tmp_path / "auto")] == list(range(1, 9))
 
 
 def test_grad_cache_run_matches_the_plain_run(tmp_path: Path, base_config: dict[str, Any]) -> None:
-    run(tmp_path, base_config, "plain", loss="kcl", max_steps=3, test_manifest=None)
+    run(
+        tmp_path,
+        base_config,
+        "plain",
+        loss="kcl",
+        max_steps=3,
+        test_manifest=None,
+        val_manifest=None,
+    )
     run(
         tmp_path,
         base_config,
@@ -220,6 +256,7 @@ def test_grad_cache_run_matches_the_plain_run(tmp_path: Path, base_config: dict[
         loss="kcl",
         max_steps=3,
         test_manifest=None,
+        val_manifest=None,
         grad_cache=True,
         grad_cache_chunk=3,
     )
@@ -233,7 +270,13 @@ def test_loss_chunk_size_run_matches_the_dense_run(
 ) -> None:
     """--loss-chunk-size tiles the loss (exact): the same losses and gradient norms, with
     KCL's masked captions and SVR's dynamic radius on top."""
-    common = {"loss": "kcl", "svr": "dynamic", "max_steps": 3, "test_manifest": None}
+    common = {
+        "loss": "kcl",
+        "svr": "dynamic",
+        "max_steps": 3,
+        "test_manifest": None,
+        "val_manifest": None,
+    }
     run(tmp_path, base_config, "dense", **common)
     run(tmp_path, base_config, "tiled", loss_chunk_size=2, **common)
     for a, b in zip(steps(tmp_path / "dense"), steps(tmp_path / "tiled"), strict=True):
@@ -243,12 +286,27 @@ def test_loss_chunk_size_run_matches_the_dense_run(
 
 def test_bf16_autocast_runs(tmp_path: Path, base_config: dict[str, Any]) -> None:
     """The AMP path (bf16 autocast, float32 front end and loss) on CPU."""
-    run(tmp_path, base_config, "amp", loss="cacl", amp="bf16", max_steps=2, test_manifest=None)
+    run(
+        tmp_path,
+        base_config,
+        "amp",
+        loss="cacl",
+        amp="bf16",
+        max_steps=2,
+        test_manifest=None,
+        val_manifest=None,
+    )
     assert all(math.isfinite(r["loss"]) for r in steps(tmp_path / "amp"))
 
 
 def test_learning_rate_schedules(tmp_path: Path, base_config: dict[str, Any]) -> None:
-    common = {"loss": "infonce", "epochs": 2, "test_manifest": None, "lr": 0.01}
+    common = {
+        "loss": "infonce",
+        "epochs": 2,
+        "test_manifest": None,
+        "val_manifest": None,
+        "lr": 0.01,
+    }
     run(tmp_path, base_config, "step", schedule="step", step_epochs=1, step_gamma=0.5, **common)
     lrs = [r["lr"] for r in steps(tmp_path / "step")]
     assert lrs == pytest.approx([0.01] * 4 + [0.005] * 4)
@@ -294,6 +352,7 @@ def test_two_process_gloo_ddp_smoke(
         "max_steps": 2,
         "batch_size": 3,
         "test_manifest": None,
+        "val_manifest": None,
         "output_dir": str(tmp_path / "ddp"),
         "grad_cache": grad_cache,
     }
