@@ -269,11 +269,13 @@ def test_svr_training_warnings_need_the_checks() -> None:
             beta=0.0, validate_args=validate,
         )  # fmt: skip
         svr.stuck_after, svr.over_distance_steps, svr.over_distance_check_every = 2, 2, 1
-        a, t = torch.randn(6, 8), torch.randn(6, 8)
+        a, t = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8)
+        opt = torch.optim.SGD([a], lr=0.0)  # without the radius: it never moves
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(4):  # no optimizer: the radius gets gradients but never moves
+            for _ in range(4):
                 svr(a, t).backward()
+                opt.step()
         return [str(w.message) for w in caught]
 
     on = run(True)

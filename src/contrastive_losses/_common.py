@@ -504,15 +504,16 @@ class _TemperatureMixin(_LossSettings):
         self.max_logit_scale = float(max_logit_scale)
         log_scale = torch.tensor(math.log(1.0 / temperature))
         self._watch = ParameterWatch(
-            f"{type(self).__name__}: the learnable temperature got gradients in {{steps}} "
-            "training steps but never changed from its initial value, so the loss trains "
-            "at a fixed temperature. Are the loss's parameters in the optimizer? Pass them "
-            "with the model's, e.g. torch.optim.AdamW([*model.parameters(), "
-            "*loss_fn.parameters()]), or build it with learnable_temperature=False"
+            f"{type(self).__name__}: the learnable {{what}} ({{names}}) got gradients in "
+            "{steps} optimizer steps that did not hold it and never changed from its "
+            "initial value, so the loss trains at a fixed temperature. Are the loss's "
+            "parameters in the optimizer? Pass them with the model's, e.g. "
+            "torch.optim.AdamW([*model.parameters(), *loss_fn.parameters()]), or build it "
+            "with learnable_temperature=False"
         )
         if learnable:
             self.log_logit_scale = nn.Parameter(log_scale)
-            self._watch.arm(self, [self.log_logit_scale])
+            self._watch.arm(self, [self.log_logit_scale], ["temperature"])
         else:
             # The value used is the Python float, exact in every input dtype; the buffer
             # (float32, as checkpoints hold it) follows it, and a new value written into
@@ -521,15 +522,15 @@ class _TemperatureMixin(_LossSettings):
             self._fixed = float(temperature)
             self._fixed_stamp = _stamp(log_scale)
 
-    #: Training steps (backward passes in training mode) after which a learnable
-    #: temperature that got gradients but never changed is reported (not in the optimizer).
+    #: Optimizer steps, each after a gradient in training mode, that do not hold a
+    #: learnable temperature, after which one that never changed is reported.
     stuck_after: int = 50
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled loss watches its own temperature parameter."""
         super().__setstate__(state)
         if getattr(self, "learnable_temperature", False):
-            self._watch.arm(self, [self.log_logit_scale])
+            self._watch.arm(self, [self.log_logit_scale], ["temperature"])
 
     def _fixed_value(self) -> float:
         """The fixed temperature as a Python float: the value given, unless the buffer
@@ -566,7 +567,7 @@ class _TemperatureMixin(_LossSettings):
         settings = {**self._settings(), **kwargs, "return_terms": return_terms}
         if logit_scale is None:
             if self.learnable_temperature:
-                self._watch.rearm(self, [self.log_logit_scale])
+                self._watch.rearm(self, [self.log_logit_scale], ["temperature"])
                 temperature: float | Tensor = self.temperature
             else:
                 temperature = self._fixed_value()

@@ -227,6 +227,10 @@ def _dense_pair_losses(
     return F.softplus(logits)
 
 
+# How the watch on parameters left out of the optimizer names log_scale and bias.
+_WATCHED = ["scale", "bias"]
+
+
 class SigLIPLoss(_LossSettings):
     r"""Pairwise sigmoid loss; see :func:`contrastive_losses.functional.siglip`.
 
@@ -280,29 +284,29 @@ class SigLIPLoss(_LossSettings):
         log_scale = torch.tensor(math.log(scale_init))
         bias = torch.tensor(float(bias_init))
         self._watch = ParameterWatch(
-            "SigLIPLoss: the learnable scale and bias got gradients in {steps} training "
-            "steps but never changed from their initial values, so the loss trains at a "
-            "fixed scale and bias. Are the loss's parameters in the optimizer? Pass them "
-            "with the model's, e.g. torch.optim.AdamW([*model.parameters(), "
-            "*loss_fn.parameters()]), or build it with learnable=False"
+            "SigLIPLoss: the learnable {what} ({names}) got gradients in {steps} optimizer "
+            "steps that did not hold them and never changed from the initial values, so "
+            "the loss trains with them fixed. Are all the loss's parameters in the "
+            "optimizer? Pass them with the model's, e.g. torch.optim.AdamW("
+            "[*model.parameters(), *loss_fn.parameters()]), or build it with learnable=False"
         )
         if learnable:
             self.log_scale = nn.Parameter(log_scale)
             self.bias = nn.Parameter(bias)
-            self._watch.arm(self, [self.log_scale, self.bias])
+            self._watch.arm(self, [self.log_scale, self.bias], _WATCHED)
         else:
             self.register_buffer("log_scale", log_scale)
             self.register_buffer("bias", bias)
 
-    #: Training steps (backward passes in training mode) after which a learnable scale
-    #: and bias that got gradients but never changed are reported (not in the optimizer).
+    #: Optimizer steps, each after a gradient in training mode, that do not hold the
+    #: learnable scale or the bias, after which one that never changed is reported.
     stuck_after: int = 50
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled loss watches its own scale and bias."""
         super().__setstate__(state)
         if self.learnable:
-            self._watch.arm(self, [self.log_scale, self.bias])
+            self._watch.arm(self, [self.log_scale, self.bias], _WATCHED)
 
     @property
     def scale(self) -> Tensor:
@@ -356,7 +360,7 @@ class SigLIPLoss(_LossSettings):
                 "the model's (logit_scale=..., logit_bias=...) build it with learnable=False"
             )
         if self.learnable:
-            self._watch.rearm(self, [self.log_scale, self.bias])
+            self._watch.rearm(self, [self.log_scale, self.bias], _WATCHED)
         scale: dict[str, Any] = (
             {"scale": self.scale} if logit_scale is None else {"logit_scale": logit_scale}
         )
