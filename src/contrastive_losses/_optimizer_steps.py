@@ -21,8 +21,8 @@ import weakref
 from typing import Any, Protocol
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 

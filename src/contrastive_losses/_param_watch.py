@@ -139,9 +139,7 @@ class ParameterWatch:
         Returns whether to keep listening."""
         owner = None if self._owner is None else self._owner()
         params = [ref() for ref in self._params]
-        pending = [
-            i for i, p in enumerate(params) if p is not None and not self._settled[i]
-        ]
+        pending = [i for i, p in enumerate(params) if p is not None and not self._settled[i]]
         if self.done or owner is None or not pending:
             return self._finish()
         rates = _optimizer_steps.held(optimizer, [params[i] for i in pending])

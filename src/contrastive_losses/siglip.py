@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from . import _checks
 from ._common import (
+    MIN_PLAUSIBLE_SCALE,
     MIN_TEMPERATURE,
     ContrastivePair,
     Terms,
@@ -36,6 +37,7 @@ from ._common import (
 )
 from ._kernels import _TiledSigmoid
 from ._param_watch import ParameterWatch
+from ._warnings import warn_at_caller
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["SigLIPLoss", "siglip"]
@@ -43,13 +45,32 @@ __all__ = ["SigLIPLoss", "siglip"]
 
 def _check_scale(scale: float | Tensor, validate: bool = True) -> None:
     """SigLIP's logit scale :math:`c = 1/\\tau`: the bound of :func:`_temperature` (a
-    tensor's value with ``validate`` only)."""
+    tensor's value with ``validate`` only); a float below 2 warns, as a temperature above
+    1/2 does (:func:`_warn_low_scale`)."""
     value = _checks.check_positive(scale, "scale", validate=validate)
     if value is not None and value > 1 / MIN_TEMPERATURE:
         raise ValueError(
             f"scale: {value:.3g} exceeds {1 / MIN_TEMPERATURE:g}, the largest logit scale "
             f"(1/temperature) the losses accept"
         )
+    if not isinstance(scale, Tensor):
+        _warn_low_scale(float(scale), "scale")
+
+
+def _warn_low_scale(value: float, name: str) -> None:
+    """Warn, once per calling line, about a float scale below
+    :data:`~contrastive_losses._common.MIN_PLAUSIBLE_SCALE` (a learnable scale that falls
+    there in training is not warned about: a tensor is not read for this)."""
+    if value >= MIN_PLAUSIBLE_SCALE or torch.compiler.is_compiling():
+        return
+    warn_at_caller(
+        "logit_scale below 2",
+        f"{name}={value:.4g} is below {MIN_PLAUSIBLE_SCALE:g} (a temperature above 0.5), "
+        f"where no SigLIP/CLIP recipe trains (SigLIP's scale starts at 10, CLIP's at 14.3): "
+        f"the sigmoid logits stay within about {value:.3g} of the bias, with little "
+        f"learning signal. Pass {name}=10.0, SigLIP's initial value"
+        + (f" (a temperature? {name}={1 / value:.4g})" if value < 1 else ""),
+    )
 
 
 def _check_bias(bias: float | Tensor, validate: bool = True, name: str = "bias") -> None:
@@ -272,6 +293,7 @@ class SigLIPLoss(_LossSettings):
                 f"scale_init: {scale_init:g} is outside [{torch.finfo(torch.float32).tiny:.3g}, "
                 f"{1.0 / MIN_TEMPERATURE:g}] (the logit scale is 1/temperature)"
             )
+        _warn_low_scale(float(scale_init), "scale_init")
         if isinstance(bias_init, bool) or not isinstance(bias_init, (int, float)):
             raise TypeError(f"bias_init: expected a float, got {type(bias_init).__name__}")
         if not abs(bias_init) <= 1.0 / MIN_TEMPERATURE:  # False for NaN too

@@ -595,7 +595,7 @@ def _check_regularizer_settings(
         )
     _refuse_trainable(temperature, "temperature", "learnable_temperature=True on the base")
     if temperature is not None:
-        _temperature(temperature, stacklevel=6)  # + __init__ and its wrapper
+        _temperature(temperature)
     _check_base_reduction(base)
     _checks.check_choice(direction, "direction", DIRECTIONS)
     _check_weight(alpha, "alpha")
