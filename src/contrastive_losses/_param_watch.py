@@ -58,7 +58,9 @@ class ParameterWatch:
         self._clear()
 
     def _clear(self) -> None:
-        self._owner: weakref.ref[nn.Module] | None = None
+        # the owner has training, validate_args and stuck_after (Any: nn.Module's
+        # __getattr__ types them as tensors)
+        self._owner: weakref.ref[Any] | None = None
         self._params: list[weakref.ref[Tensor]] = []
         self._labels: list[str] = []
         self._snapshots: list[Tensor | None] = []
@@ -138,7 +140,7 @@ class ParameterWatch:
         """Count this step against each parameter it does not hold; report those due.
         Returns whether to keep listening."""
         owner = None if self._owner is None else self._owner()
-        params = [ref() for ref in self._params]
+        params: list[Any] = [ref() for ref in self._params]
         pending = [i for i, p in enumerate(params) if p is not None and not self._settled[i]]
         if self.done or owner is None or not pending:
             return self._finish()
@@ -162,7 +164,7 @@ class ParameterWatch:
             return self._finish()  # every parameter is in an optimizer: quiet for good
         return True
 
-    def _report(self, owner: nn.Module, params: list[Any], labels: list[str]) -> None:
+    def _report(self, owner: Any, params: list[Any], labels: list[str]) -> None:
         """The one warning, naming ``params``."""
         names = [n for n, p in owner.named_parameters() if any(p is q for q in params)]
         what = " and ".join(dict.fromkeys(labels))  # in order, each once

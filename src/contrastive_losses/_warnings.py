@@ -36,7 +36,7 @@ _told = threading.local()
 def told(kind: str) -> Iterator[None]:
     """Within, warnings of ``kind`` stay quiet: the caller already gave it (a Module that
     warned about its own setting when built, calling its functional form)."""
-    before = getattr(_told, "kinds", frozenset())
+    before: frozenset[str] = getattr(_told, "kinds", frozenset())
     _told.kinds = before | {kind}
     try:
         yield
