@@ -21,7 +21,6 @@ prototype are partners).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any
 
 import torch
@@ -49,7 +48,7 @@ from ._common import (
     _scale_setting,
     _temperature,
 )
-from ._warnings import told
+from ._warnings import told, warn_at_caller
 from .bank import KnowledgeBank
 from .distributed import (
     all_gather_no_grad,
@@ -717,10 +716,10 @@ class ASKLoss(nn.Module):
                 )
             k_coarse = min(self.k_coarse, n_protos)
             if k_coarse < self.k_coarse:
-                warnings.warn(
+                warn_at_caller(
+                    "k_coarse",
                     f"k_coarse: {self.k_coarse} exceeds the bank's {n_protos} prototypes; "
                     f"using {n_protos}",
-                    stacklevel=2,
                 )
         out: dict[str, Tensor | None] = {"coarse_audio": None, "coarse_text": None}
         for modality, x in (("audio", audio), ("text", text)):
