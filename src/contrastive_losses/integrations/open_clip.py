@@ -32,6 +32,7 @@ them in ``encode_image`` / ``encode_text``.
 from __future__ import annotations
 
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,6 @@ from torch import Tensor, nn
 
 from .. import _checks
 from .._common import _check_logit_scale, _LossSettings
-from .._warnings import warn_at_caller
 from ..distributed import counted_call
 from ..infonce import InfoNCELoss, info_nce
 from ..siglip import SigLIPLoss, siglip
@@ -242,8 +242,7 @@ class ClipLoss(_OpenClipSettings):
         self.use_horovod = use_horovod
         self._repr = f"local_loss={local_loss}, gather_with_grad={gather_with_grad}, "
         if self.gather and not gather_with_grad:
-            warn_at_caller(
-                "gather_with_grad",
+            warnings.warn(
                 "ClipLoss(gather_with_grad=False): open_clip's gradient then "
                 + (
                     "drops the part through the other ranks' copies of each rank's features"
@@ -252,6 +251,7 @@ class ClipLoss(_OpenClipSettings):
                 )
                 + "; this drop-in computes the exact gradient, open_clip's with "
                 "gather_with_grad=True (the values are open_clip's either way)",
+                stacklevel=2,
             )
 
     @counted_call
