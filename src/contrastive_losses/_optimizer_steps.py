@@ -4,9 +4,9 @@ A loss cannot see the training loop, but every ``torch.optim.Optimizer`` (Huggin
 Lightning's and open_clip's optimizers are ones) runs the global post-step hooks after
 its ``step()``. One such hook, registered while some check listens and removed when none
 does, tells the listeners which optimizer stepped; :func:`held` says which of their
-parameters it holds and at what learning rate. So a check counts optimizer steps, not
-backward passes (64 micro-batches of gradient accumulation are one step), and knows a
-parameter held at a learning rate of 0 (a warm-up) from one left out.
+parameters it holds. So a check counts optimizer steps, not backward passes (64
+micro-batches of gradient accumulation are one step), and knows a parameter held at a
+learning rate of 0 (a warm-up) from one left out.
 
 Listeners are held weakly: a loss dropped while it listens is freed (no cycle through
 a global), and listening costs nothing once every listener has decided.
@@ -60,13 +60,9 @@ def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         _handle = None
 
 
-def held(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[float | None]:
-    """For each of ``params``: the learning rate of ``optimizer``'s group that holds it,
-    ``None`` where no group does (a tensor learning rate is read: one host sync; an
-    optimizer without ``lr`` counts as 1)."""
-    where = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    rates: list[float | None] = []
-    for p in params:
-        group = where.get(id(p))
-        rates.append(None if group is None else float(group.get("lr", 1.0)))
-    return rates
+def held(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[bool]:
+    """For each of ``params``: whether one of ``optimizer``'s param groups holds it (at
+    any learning rate: one held at 0, a warm-up or a group kept at 0, is still in the
+    optimizer)."""
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [id(p) in ids for p in params]

@@ -10,10 +10,10 @@ graph break, no recompile):
 * a post-accumulate-grad hook on each parameter (registered when the loss is built)
   notes that it got a gradient in training mode, and copies it at its first;
 * the global optimizer post-step hook (:mod:`~contrastive_losses._optimizer_steps`)
-  then looks up each parameter in the optimizer that stepped. Held at a learning rate
-  above 0: settled, never reported. Held at a learning rate of 0 (a warm-up, a param
-  group kept at 0): not counted. Not held although it got a gradient since the previous
-  step: one step counted.
+  then looks up each parameter in the optimizer that stepped. Held, at any learning
+  rate (0 included: a warm-up held at 0, a param group kept at 0): it is in the
+  optimizer, settled, never reported. Not held although it got a gradient since the
+  previous step: one step counted.
 
 After ``owner.stuck_after`` counted steps, a parameter still equal to its copy with a
 non-zero gradient is reported, by name, in one warning at the user's ``optimizer.step()``
@@ -121,7 +121,7 @@ class ParameterWatch:
 
     def counted_without_optimizer(self) -> bool:
         """Whether some parameter got a gradient before an optimizer step that did not
-        hold it, and none was ever held (stepped at a learning rate above 0)."""
+        hold it, and no optimizer that stepped ever held one."""
         return any(self._counts) and not any(self._settled)
 
     def _gradient(self, i: int, param: Tensor) -> None:
@@ -144,12 +144,12 @@ class ParameterWatch:
         pending = [i for i, p in enumerate(params) if p is not None and not self._settled[i]]
         if self.done or owner is None or not pending:
             return self._finish()
-        rates = _optimizer_steps.held(optimizer, [params[i] for i in pending])
-        for i, lr in zip(pending, rates, strict=True):
-            if lr is None:
-                self._counts[i] += self._fresh[i]
-            elif lr != 0:
+        holds = _optimizer_steps.held(optimizer, [params[i] for i in pending])
+        for i, in_optimizer in zip(pending, holds, strict=True):
+            if in_optimizer:  # at any learning rate: a warm-up from 0 is no false alarm
                 self._settled[i] = True
+            else:
+                self._counts[i] += self._fresh[i]
             self._fresh[i] = False
         steps = int(owner.stuck_after)
         due = [i for i in pending if not self._settled[i] and self._counts[i] >= steps]
