@@ -140,6 +140,24 @@ def test_an_optimizer_stepping_without_the_loss_and_another_with_it_is_silent():
             opt_loss.zero_grad()
 
 
+def test_a_hand_written_update_is_not_watched():
+    """No ``torch.optim`` optimizer steps (the model updated by hand): no step is counted,
+    so nothing warns, however many backward passes (the docs say so)."""
+    loss_fn = InfoNCELoss(0.07, learnable_temperature=True)
+    loss_fn.stuck_after = 2
+    enc = nn.Linear(D, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(10):
+            a, t = _batch(step)
+            loss_fn(enc(a), enc(t)).backward()
+            with torch.no_grad():
+                for p in enc.parameters():
+                    p -= 0.05 * p.grad
+                    p.grad = None
+    assert loss_fn.log_logit_scale.grad is not None  # it got gradients all along
+
+
 def _alive_after_dropping(build, n: int) -> int:
     """Build ``n`` losses with ``build`` (one training step each, so their watches hold
     copies and listen to the optimizer), drop them, collect: how many of them, their

@@ -912,7 +912,10 @@ def test_no_warning_in_a_normal_training_loop(radius, beta, accumulate, warmup):
 
 
 def test_no_stuck_warning_without_gradients_or_outside_training(gen):
+    """Optimizer steps without the radius, but a frozen radius, a zero gradient
+    (``alpha=0``, constraint off) or evaluation mode: nothing to report."""
     a, t = randn(gen, 8, 4).float().requires_grad_(), randn(gen, 8, 4).float()
+    opt = torch.optim.SGD([a], lr=0.0)
     frozen = SupportVectorRegularizer(InfoNCELoss(), radius="static")
     frozen.radius.requires_grad_(False)
     silent = SupportVectorRegularizer(InfoNCELoss(), radius="static", alpha=0.0)  # zero grad
@@ -923,6 +926,7 @@ def test_no_stuck_warning_without_gradients_or_outside_training(gen):
             svr.stuck_after = 3
             for _ in range(10):
                 svr(a, t).backward()
+                opt.step()
         with torch.no_grad():
             for _ in range(10):
                 SupportVectorRegularizer(InfoNCELoss(), radius="static")(a, t)
