@@ -184,11 +184,12 @@ def _low_scale_message(value: float, name: str) -> str:
     return (
         f"{name}={value:.4g} is below {MIN_PLAUSIBLE_SCALE:g} (a temperature above 0.5), "
         f"where no CLIP/CLAP recipe trains (CLIP's scale starts at 14.3, up to 100): every "
-        f"loss stays near log(batch size). It is what the exp of a scale parameter "
-        f"initialised with the temperature gives: nn.Parameter(torch.tensor({tau:.3g}))"
-        f".exp() = {value:.4g}. Initialise the parameter with the log of the scale, "
+        f"loss stays near log(batch size). If it is the exp of a scale parameter "
+        f"initialised with the temperature (nn.Parameter(torch.tensor({tau:.3g}))"
+        f".exp() = {value:.4g}), initialise the parameter with the log of the scale, "
         f"nn.Parameter(torch.tensor(math.log(1 / {tau:.3g}))), and pass "
-        f"{name}=param.exp()"
+        f"{name}=param.exp(); if a trained scale fell here, check its learning rate and "
+        "weight decay (CLIP exempts the scale from weight decay)"
     )
 
 
