@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
 
 import pytest
@@ -126,6 +127,75 @@ def test_scale_below_one_warns_once_with_the_inverse(name):
     assert not _only(_recorded(lambda: call(a, t, torch.tensor(1.0))), "below 1")
 
 
+def test_scale_from_a_parameter_initialised_with_the_temperature_warns():
+    """``nn.Parameter(torch.tensor(0.07)).exp()`` is 1.07: below 2, no CLIP/CLAP scale;
+    one warning per line, at the caller's line, naming the log-scale initialisation. A
+    scale of 2 or more is quiet."""
+    a, t = _pair()
+    param = nn.Parameter(torch.tensor(0.07))
+
+    def calls():
+        for _ in range(3):
+            InfoNCELoss()(a, t, logit_scale=param.exp())  # the line named
+
+    record = _only(_recorded(calls), "is below 2")
+    assert len(record) == 1, [str(w.message) for w in record]
+    message = str(record[0].message)
+    assert "logit_scale=1.073" in message and "math.log(1 / 0.07)" in message
+    assert record[0].filename == __file__
+    assert record[0].lineno == calls.__code__.co_firstlineno + 2
+    assert _only(_recorded(lambda: CF.info_nce(a, t, logit_scale=torch.tensor(2.0))), "below") == []
+
+
+def test_a_frozen_parameter_holding_the_scale_is_named_the_scale():
+    """``nn.Parameter(torch.tensor(14.29), requires_grad=False)``: its exp (1.6e6) would
+    exceed every allowed scale, so it is the scale itself, not open_clip's log-scale."""
+    a, t = _pair()
+    scale = nn.Parameter(torch.tensor(14.29), requires_grad=False)
+    call = lambda: InfoNCELoss()(a, t, logit_scale=scale)  # noqa: E731
+    record = _recorded(call)
+    assert len(record) == 1, [str(w.message) for w in record]
+    message = str(record[0].message)
+    assert "which is the scale itself, not its log" in message
+    assert "logit_scale=torch.tensor(14.29)" in message
+    assert "2.66 instead of 14.3" not in message  # not the "Parameter itself" one
+    assert (record[0].filename, record[0].lineno) == (__file__, call.__code__.co_firstlineno)
+
+
+def test_a_modules_temperature_like_a_scale_warns_once_at_the_callers_line():
+    """``InfoNCELoss(temperature=14.29)`` warns when built, at that line, and its calls
+    (even under the default filters, from another line) do not warn again."""
+    a, t = _pair()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        loss_fn = InfoNCELoss(temperature=14.29)
+        line = sys._getframe().f_lineno - 1
+        for _ in range(3):
+            loss_fn(a, t)
+        KCLLoss(14.29)(a, t[:, None])
+    record = [w for w in record if "looks like a logit scale" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in record] == [(__file__, line), (__file__, line + 4)]
+
+
+@pytest.mark.parametrize(
+    ("build", "text"),
+    [
+        (lambda: InfoNCELoss(temperature=0.8), "temperature=0.8 is above 0.5"),
+        (lambda: SigLIPLoss(scale_init=1.5), "scale_init=1.5 is below 2"),
+        (lambda: CF.siglip(*_pair(), 1.5), "scale=1.5 is below 2"),
+        (
+            lambda: SupportVectorRegularizer(InfoNCELoss(), radius=0.1, temperature=0.9),
+            "temperature=0.9 is above 0.5",
+        ),
+    ],
+    ids=["InfoNCELoss", "SigLIPLoss", "siglip", "SVR"],
+)
+def test_a_scale_below_two_warns_at_construction_or_first_call(build, text):
+    record = _only(_recorded(build), text)
+    assert len(record) == 1, [str(w.message) for w in _recorded(build)]
+    _assert_points_at(record[0], build)
+
+
 def test_scale_below_one_is_a_value_check():
     """It reads the value (a host sync): with the value checks off nothing is read, so
     nothing warns."""
@@ -182,13 +252,13 @@ def _train(loss_fn, steps: int, *, in_optimizer: bool, compiled=None, lr: float 
             audio, text = enc(a), enc(t)
             loss = fn(audio, text[:, None] if kcl else text)
             opt.zero_grad()
-            loss.backward()  # the line the warning must name
-            opt.step()
+            loss.backward()
+            opt.step()  # the line the warning must name
 
     return _only(_recorded(loop), "never changed")
 
 
-def _backward_line(record) -> str:
+def _warned_line(record) -> str:
     return open(record.filename).read().splitlines()[record.lineno - 1].strip()
 
 
@@ -200,10 +270,8 @@ def test_learnable_values_left_out_of_the_optimizer_warn_once(name):
     record = _train(loss_fn, 20, in_optimizer=False)
     assert len(record) == 1, [str(w.message) for w in record]
     message = str(record[0].message)
-    assert what in message and "loss_fn.parameters()" in message and "5 training steps" in message
-    assert record[0].filename == __file__ and _backward_line(record[0]).startswith(
-        "loss.backward()"
-    )
+    assert what in message and "loss_fn.parameters()" in message and "5 optimizer steps" in message
+    assert record[0].filename == __file__ and _warned_line(record[0]).startswith("opt.step()")
 
 
 @pytest.mark.parametrize("name", list(LEARNERS))
@@ -246,7 +314,8 @@ def _fresh_dynamo():
 @pytest.mark.usefixtures("_fresh_dynamo")
 @pytest.mark.parametrize("name", list(LEARNERS))
 def test_stuck_warning_under_torch_compile_with_one_graph(name):
-    """The watch lives on autograd's side (a post-accumulate-grad hook), so a compiled loss
+    """The watch lives on autograd's and the optimizer's side (a post-accumulate-grad
+    hook, the global optimizer post-step hook), so a compiled loss
     (``fullgraph=True``: a graph break would raise) warns the same, with one graph and no
     recompile, and in the optimizer stays silent."""
     for in_optimizer in (False, True):
@@ -260,4 +329,4 @@ def test_stuck_warning_under_torch_compile_with_one_graph(name):
         assert len(record) == (0 if in_optimizer else 1)
         if record:
             assert record[0].filename == __file__
-            assert _backward_line(record[0]).startswith("loss.backward()")
+            assert _warned_line(record[0]).startswith("opt.step()")

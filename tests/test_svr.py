@@ -912,7 +912,10 @@ def test_no_warning_in_a_normal_training_loop(radius, beta, accumulate, warmup):
 
 
 def test_no_stuck_warning_without_gradients_or_outside_training(gen):
+    """Optimizer steps without the radius, but a frozen radius, a zero gradient
+    (``alpha=0``, constraint off) or evaluation mode: nothing to report."""
     a, t = randn(gen, 8, 4).float().requires_grad_(), randn(gen, 8, 4).float()
+    opt = torch.optim.SGD([a], lr=0.0)
     frozen = SupportVectorRegularizer(InfoNCELoss(), radius="static")
     frozen.radius.requires_grad_(False)
     silent = SupportVectorRegularizer(InfoNCELoss(), radius="static", alpha=0.0)  # zero grad
@@ -923,6 +926,7 @@ def test_no_stuck_warning_without_gradients_or_outside_training(gen):
             svr.stuck_after = 3
             for _ in range(10):
                 svr(a, t).backward()
+                opt.step()
         with torch.no_grad():
             for _ in range(10):
                 SupportVectorRegularizer(InfoNCELoss(), radius="static")(a, t)
@@ -930,18 +934,30 @@ def test_no_stuck_warning_without_gradients_or_outside_training(gen):
 
 
 def test_warns_once_when_the_radius_stays_above_the_distance(gen):
-    a, t = randn(gen, 8, 4).float(), randn(gen, 8, 4).float()
+    """Counted in optimizer steps (8 batches of accumulation are one), at the user's
+    ``opt.step()`` line."""
+    a, t = randn(gen, 8, 4).float().requires_grad_(), randn(gen, 8, 4).float()
+    opt = torch.optim.SGD([a], lr=0.0)  # only its steps matter here
     svr = SupportVectorRegularizer(InfoNCELoss(), radius=2.5)  # > every ||a - t|| <= 2
     svr.over_distance_steps, svr.over_distance_check_every = 12, 4
+
+    def steps(n: int, batches: int = 8) -> None:
+        for _ in range(n):
+            for _ in range(batches):
+                svr(a, t).backward()
+            opt.step()  # the line the warning names
+
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        for _ in range(11):
-            assert svr(a, t, return_terms=True)[1]["radius_over_distance"] == 1
-        assert not record  # 11 steps: below the threshold
-        for _ in range(30):
-            svr(a, t)
+        steps(11)
+        assert not record  # 88 batches, 11 steps: below the threshold
+        steps(30)
     messages = [str(w.message) for w in record]
     assert len(messages) == 1 and "radius_over_distance stayed above 0.5" in messages[0]
+    assert "12 consecutive optimizer steps" in messages[0]
+    assert record[0].filename == __file__
+    line = open(__file__).read().splitlines()[record[0].lineno - 1]
+    assert line.strip().startswith("opt.step()")
     # a streak broken by a step below the distance starts again
     svr = SupportVectorRegularizer(InfoNCELoss(), radius=2.5)
     svr.over_distance_steps, svr.over_distance_check_every = 12, 1
@@ -951,6 +967,7 @@ def test_warns_once_when_the_radius_stays_above_the_distance(gen):
             with torch.no_grad():
                 svr.radius.fill_(0.0 if step % 10 == 9 else 2.5)
             svr(a, t)
+            opt.step()
 
 
 # ------------------------------------------------------------------ two ranks, gloo

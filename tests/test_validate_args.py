@@ -175,19 +175,29 @@ def _step(fn: Callable[..., Any], module: torch.nn.Module | None, args: tuple, k
 
 
 def _run_counted(name: str, validate_args: Any, steps: int = 1) -> tuple[HostSyncCounter, Any]:
+    """``steps`` forward, backward and optimizer steps (an optimizer over the inputs only,
+    at lr 0: the loss's own parameters are left out, so the training checks listen to
+    every step and, after ``stuck_after = 2``, decide)."""
     build, inputs = CASES[name]
     torch.manual_seed(0)  # the radius predictor's initial weights
     fn, module = build(validate_args)
+    if module is not None:
+        for m in module.modules():
+            if hasattr(m, "stuck_after"):
+                m.stuck_after = 2
     args, kwargs = inputs(_data())
+    opt = torch.optim.SGD(_leaves(args, kwargs), lr=0.0)
     with HostSyncCounter() as counter:
         for _ in range(steps):
             result = _step(fn, module, args, kwargs)
+            opt.step()
     return counter, result
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_checks_off_make_no_host_sync(name: str) -> None:
-    """30 training steps (the SVR monitor reads every 25) with validate_args=False sync
+    """30 training steps (forward, backward, optimizer step: the SVR monitor would read
+    every 25, the never-changed watch decide after 2) with validate_args=False sync
     nowhere, the learnable temperature's clamp and the tiled kernels included; the same
     step with the checks on syncs (the counter sees it)."""
     on, _ = _run_counted(name, True)
@@ -269,11 +279,13 @@ def test_svr_training_warnings_need_the_checks() -> None:
             beta=0.0, validate_args=validate,
         )  # fmt: skip
         svr.stuck_after, svr.over_distance_steps, svr.over_distance_check_every = 2, 2, 1
-        a, t = torch.randn(6, 8), torch.randn(6, 8)
+        a, t = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8)
+        opt = torch.optim.SGD([a], lr=0.0)  # without the radius: it never moves
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(4):  # no optimizer: the radius gets gradients but never moves
+            for _ in range(4):
                 svr(a, t).backward()
+                opt.step()
         return [str(w.message) for w in caught]
 
     on = run(True)

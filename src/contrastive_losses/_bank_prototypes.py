@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._warnings import warn_at_caller
+
 
 def _kmeans_torch(x: Tensor, k: int, niter: int, seed: int, chunk: int = 16384) -> Tensor:
     """Lloyd's k-means (squared L2), random distinct points as init; returns assignments."""
@@ -45,11 +47,10 @@ def kmeans_faiss(faiss: Any, pairs: Tensor, k: int, niter: int, seed: int) -> Te
     # lower faiss's threshold (it only gates the message) so it stays quiet.
     wanted = k * int(km.cp.min_points_per_centroid)
     if x.shape[0] < wanted:
-        warnings.warn(
+        warn_at_caller(
+            "k-means points",
             f"k-means: clustering {x.shape[0]} points to {k} centroids: faiss advises at "
             f"least {wanted} training points (fewer prototypes: num_prototypes)",
-            UserWarning,
-            stacklevel=5,  # the caller of KnowledgeBank.build
         )
     km.cp.min_points_per_centroid = 1
     with warnings.catch_warnings():
@@ -68,9 +69,8 @@ def make_prototypes(
     n = audio.shape[0]
     k = num_prototypes
     if k > n:
-        warnings.warn(
-            f"num_prototypes={k} exceeds the bank size {n}; using {n} clusters",
-            stacklevel=3,  # the caller of KnowledgeBank.build
+        warn_at_caller(
+            "num_prototypes", f"num_prototypes={k} exceeds the bank size {n}; using {n} clusters"
         )
         k = n
     pairs = torch.cat([audio, text], dim=-1)  # (N, 2D)

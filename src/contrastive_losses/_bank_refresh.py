@@ -7,7 +7,6 @@ and builds the bank from what it returns.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ._bank_storage import _unit_rows
+from ._warnings import warn_at_caller
 
 
 def eval_modules(encode_fn: Any, model: nn.Module | Sequence[nn.Module] | None) -> list[nn.Module]:
@@ -38,7 +38,7 @@ def _with_progress(loader: Iterable[Any], progress: bool) -> Iterable[Any]:
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        warnings.warn("tqdm is not installed: refresh() runs without a progress bar", stacklevel=4)
+        warn_at_caller("tqdm", "tqdm is not installed: refresh() runs without a progress bar")
         return loader
     return tqdm(loader, desc="refresh knowledge bank", unit="batch")
 

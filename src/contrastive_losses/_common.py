@@ -12,7 +12,6 @@ re-exported by :mod:`contrastive_losses.losses` and :mod:`contrastive_losses.fun
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,7 +23,7 @@ from torch import Tensor, nn
 from . import _checks
 from ._kernels import _TiledCrossEntropy, _UpperClamp, l2_normalize
 from ._param_watch import ParameterWatch
-from ._warnings import warn_at_caller
+from ._warnings import told, warn_at_caller
 from .distributed import all_gather_no_grad, all_gather_with_grad
 
 Terms = dict[str, Tensor]
@@ -35,10 +34,20 @@ Terms = dict[str, Tensor]
 MIN_TEMPERATURE = 1e-4
 
 
-def _temperature(temperature: float | Tensor, validate: bool = True, stacklevel: int = 4) -> None:
+# Below this scale (above 1/2 as a temperature) no CLIP or CLAP recipe trains: CLIP starts
+# at 14.3 and clamps at 100, SigLIP starts at 10. A scale of 1.07 (a parameter initialised
+# with the temperature 0.07, then exp'd) trains to 3.55 where chance is 4.16.
+MIN_PLAUSIBLE_SCALE = 2.0
+
+# The kind of the temperature-habit warning (once per calling line; a Module that warned
+# at construction keeps its calls quiet: _warnings.told).
+TEMPERATURE_HABIT = "temperature habit"
+
+
+def _temperature(temperature: float | Tensor, validate: bool = True) -> None:
     """A float or 0-d tensor temperature; the bounds of a tensor's value with ``validate``.
 
-    A float above 1 warns (:func:`_warn_logit_scale_habit`)."""
+    A float above 1/:data:`MIN_PLAUSIBLE_SCALE` warns (:func:`_warn_logit_scale_habit`)."""
     value = _checks.check_positive(temperature, "temperature", validate=validate)
     if value is not None and value < MIN_TEMPERATURE:
         raise ValueError(
@@ -47,23 +56,29 @@ def _temperature(temperature: float | Tensor, validate: bool = True, stacklevel:
             "softmax is a hard argmax)"
         )
     if not isinstance(temperature, Tensor):
-        _warn_logit_scale_habit(float(temperature), stacklevel=stacklevel)
+        _warn_logit_scale_habit(float(temperature))
 
 
-def _warn_logit_scale_habit(
-    temperature: float, name: str = "temperature", stacklevel: int = 4
-) -> None:
-    """Warn when a float temperature is above 1: open_clip and Hugging Face users pass
-    the logit scale 1/temperature (100, 14.3), which makes every loss about log B.
-    ``stacklevel`` counts from here to the user's call."""
+def _warn_logit_scale_habit(temperature: float, name: str = "temperature") -> None:
+    """Warn, once per calling line, when a float temperature is above 1/2: above 1 open_clip
+    and Hugging Face users pass the logit scale 1/temperature (100, 14.3), which makes
+    every loss about log B; between 1/2 and 1 the scale is below any CLIP/CLAP recipe's."""
+    if temperature * MIN_PLAUSIBLE_SCALE <= 1 or torch.compiler.is_compiling():
+        return
     if temperature > 1:
-        warnings.warn(
+        message = (
             f"{name}={temperature:g} looks like a logit scale (1/temperature, as open_clip "
             f"and Hugging Face store it); pass {name}={1 / temperature:.4g}, or the model's "
-            "scale per call: loss_fn(audio, text, logit_scale=model.logit_scale.exp())",
-            UserWarning,
-            stacklevel=stacklevel,
+            "scale per call: loss_fn(audio, text, logit_scale=model.logit_scale.exp())"
         )
+    else:
+        message = (
+            f"{name}={temperature:g} is above 0.5: a logit scale of {1 / temperature:.3g}, "
+            f"below {MIN_PLAUSIBLE_SCALE:g} where no CLIP/CLAP recipe trains (CLIP starts at "
+            f"0.07 and stops at 0.01), so every loss stays near log(batch size); pass "
+            f"{name}=0.07, CLIP's initial value"
+        )
+    warn_at_caller(TEMPERATURE_HABIT, message)
 
 
 def _check_logit_scale(
@@ -113,29 +128,69 @@ def _check_logit_scale(
 
 
 def _warn_scale_habits(logit_scale: Tensor, value: float | None, name: str) -> None:
-    """Warn, once per calling line, where the scale looks like one of two mistakes: the
+    """Warn, once per calling line, where the scale looks like one of these mistakes: the
     model's raw ``nn.Parameter`` (open_clip and Hugging Face keep ``log(1/tau)`` there,
-    so ``logit_scale=model.logit_scale`` scales by about 2.66 instead of 14.3), and a
-    ``value`` below 1 (a temperature passed as the scale: every loss then sits near
-    ``log B``, with no learning signal)."""
+    so ``logit_scale=model.logit_scale`` scales by about 2.66 instead of 14.3), unless
+    its value is too large for a log (then it holds the scale itself), and a ``value``
+    below :data:`MIN_PLAUSIBLE_SCALE` (a temperature passed as the scale, or the exp of a
+    parameter initialised with the temperature: every loss then sits near ``log B``)."""
     if isinstance(logit_scale, nn.Parameter):
-        warn_at_caller(
-            "raw logit_scale",
+        _warn_raw_parameter(logit_scale, value, name)
+    if value is not None and value < MIN_PLAUSIBLE_SCALE:
+        warn_at_caller("logit_scale below 2", _low_scale_message(value, name))
+
+
+def _warn_raw_parameter(logit_scale: Tensor, value: float | None, name: str) -> None:
+    """The scale passed as an ``nn.Parameter`` itself: open_clip's log-scale, unless
+    ``value``'s exp would exceed the largest scale (then it is the scale itself)."""
+    if value is not None and value > math.log(1 / MIN_TEMPERATURE):
+        frozen = (
+            ""
+            if logit_scale.requires_grad
+            else (
+                f"; a fixed scale needs no Parameter: {name}=torch.tensor({value:.4g}), or "
+                f"temperature={1 / value:.4g} instead of {name}"
+            )
+        )
+        message = (
+            f"{name}: got an nn.Parameter holding {value:.4g}, which is the scale itself, "
+            f"not its log as in open_clip's and Hugging Face's model.logit_scale (its exp, "
+            f"{math.exp(min(value, 700)):.3g}, exceeds every allowed scale, "
+            f"{1 / MIN_TEMPERATURE:g}); it is used as it is. To say so and silence this, pass "
+            f"{name}=param.clamp(max=100){frozen}"
+        )
+    else:
+        message = (
             f"{name}: got an nn.Parameter itself; open_clip and Hugging Face keep the log of "
             f"the scale in model.logit_scale, so {name}=model.logit_scale scales the logits "
             f"by about 2.66 instead of 14.3. Pass {name}=model.logit_scale.exp() (open_clip "
             f"clamps it: model.logit_scale.exp().clamp(max=100)); if your parameter holds the "
             f"scale itself, not its log, pass {name}=param.clamp(max=100), which also "
-            "silences this",
+            "silences this"
         )
-    if value is not None and value < 1:
-        warn_at_caller(
-            "logit_scale below 1",
+    warn_at_caller("raw logit_scale", message)
+
+
+def _low_scale_message(value: float, name: str) -> str:
+    """Why a scale below :data:`MIN_PLAUSIBLE_SCALE` is a mistake, and the likely fix."""
+    if value < 1:
+        return (
             f"{name}={value:.4g} is below 1: it looks like a temperature ({name} is "
             f"1/temperature, the model's exp'd scale, about 14.3 at CLIP's initialisation), "
             f"which leaves every loss near log(batch size) with no learning signal. Pass "
-            f"{name}={1 / value:.4g}, or temperature={value:.4g} instead of {name}",
+            f"{name}={1 / value:.4g}, or temperature={value:.4g} instead of {name}"
         )
+    tau = math.log(value)  # what a parameter holding the temperature, exp'd, gives
+    return (
+        f"{name}={value:.4g} is below {MIN_PLAUSIBLE_SCALE:g} (a temperature above 0.5), "
+        f"where no CLIP/CLAP recipe trains (CLIP's scale starts at 14.3, up to 100): every "
+        f"loss stays near log(batch size). If it is the exp of a scale parameter "
+        f"initialised with the temperature (nn.Parameter(torch.tensor({tau:.3g}))"
+        f".exp() = {value:.4g}), initialise the parameter with the log of the scale, "
+        f"nn.Parameter(torch.tensor(math.log(1 / {tau:.3g}))), and pass "
+        f"{name}=param.exp(); if a trained scale fell here, check its learning rate and "
+        "weight decay (CLIP exempts the scale from weight decay)"
+    )
 
 
 def _resolve_scale(
@@ -154,7 +209,7 @@ def _resolve_scale(
     loses nothing)."""
     if logit_scale is not None:
         return _resolve_temperature(temperature, logit_scale, ref, validate, default, scale=True)
-    _temperature(temperature, validate, stacklevel=5)
+    _temperature(temperature, validate)
     if not isinstance(temperature, Tensor):
         return 1.0 / temperature
     if isinstance(ref, Tensor) and ref.is_floating_point():
@@ -175,7 +230,7 @@ def _resolve_temperature(
     model's scale is given (then ``temperature`` must be left at its ``default``); with
     ``scale`` the checked ``logit_scale`` itself (:func:`_resolve_scale`)."""
     if logit_scale is None:
-        _temperature(temperature, validate, stacklevel=5)
+        _temperature(temperature, validate)
         return temperature
     if isinstance(temperature, Tensor) or temperature != default:
         raise ValueError(
@@ -504,15 +559,16 @@ class _TemperatureMixin(_LossSettings):
         self.max_logit_scale = float(max_logit_scale)
         log_scale = torch.tensor(math.log(1.0 / temperature))
         self._watch = ParameterWatch(
-            f"{type(self).__name__}: the learnable temperature got gradients in {{steps}} "
-            "training steps but never changed from its initial value, so the loss trains "
-            "at a fixed temperature. Are the loss's parameters in the optimizer? Pass them "
-            "with the model's, e.g. torch.optim.AdamW([*model.parameters(), "
-            "*loss_fn.parameters()]), or build it with learnable_temperature=False"
+            f"{type(self).__name__}: the learnable {{what}} ({{names}}) got gradients in "
+            "{steps} optimizer steps that did not hold it and never changed from its "
+            "initial value, so the loss trains at a fixed temperature. Are the loss's "
+            "parameters in the optimizer? Pass them with the model's, e.g. "
+            "torch.optim.AdamW([*model.parameters(), *loss_fn.parameters()]), or build it "
+            "with learnable_temperature=False"
         )
         if learnable:
             self.log_logit_scale = nn.Parameter(log_scale)
-            self._watch.arm(self, [self.log_logit_scale])
+            self._watch.arm(self, [self.log_logit_scale], ["temperature"])
         else:
             # The value used is the Python float, exact in every input dtype; the buffer
             # (float32, as checkpoints hold it) follows it, and a new value written into
@@ -521,15 +577,15 @@ class _TemperatureMixin(_LossSettings):
             self._fixed = float(temperature)
             self._fixed_stamp = _stamp(log_scale)
 
-    #: Training steps (backward passes in training mode) after which a learnable
-    #: temperature that got gradients but never changed is reported (not in the optimizer).
+    #: Optimizer steps, each after a gradient in training mode, that do not hold a
+    #: learnable temperature, after which one that never changed is reported.
     stuck_after: int = 50
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled loss watches its own temperature parameter."""
         super().__setstate__(state)
         if getattr(self, "learnable_temperature", False):
-            self._watch.arm(self, [self.log_logit_scale])
+            self._watch.arm(self, [self.log_logit_scale], ["temperature"])
 
     def _fixed_value(self) -> float:
         """The fixed temperature as a Python float: the value given, unless the buffer
@@ -559,11 +615,15 @@ class _TemperatureMixin(_LossSettings):
         settings = {**self._settings(), **kwargs, "return_terms": return_terms}
         if logit_scale is None:
             if self.learnable_temperature:
-                self._watch.rearm(self, [self.log_logit_scale])
+                self._watch.rearm(self, [self.log_logit_scale], ["temperature"])
                 temperature: float | Tensor = self.temperature
             else:
                 temperature = self._fixed_value()
-            out = fn(*args, temperature, **settings)
+            if _habit_told(temperature):  # warned when built: once, at the user's line
+                with told(TEMPERATURE_HABIT):
+                    out = fn(*args, temperature, **settings)
+            else:
+                out = fn(*args, temperature, **settings)
             if not return_terms:
                 return out
             used = temperature if isinstance(temperature, Tensor) else self.temperature
@@ -626,6 +686,15 @@ def _written_value(buffer: Tensor, kept: float) -> float | None:
     if torch.tensor(value, dtype=coarse) != torch.tensor(kept, dtype=coarse):
         return value
     return None
+
+
+def _habit_told(temperature: float | Tensor) -> bool:
+    """Whether a Module's fixed float ``temperature`` warned when the Module was built
+    (:func:`_warn_logit_scale_habit`), so its calls must not warn again; never read
+    while ``torch.compile`` traces (no guard on the value)."""
+    if torch.compiler.is_compiling() or isinstance(temperature, Tensor):
+        return False
+    return temperature * MIN_PLAUSIBLE_SCALE > 1
 
 
 def _stamp(buffer: Tensor) -> tuple[int, int]:

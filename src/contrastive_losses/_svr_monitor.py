@@ -1,7 +1,15 @@
-"""The regulariser's training checks: warn once when its radius never trains (its
-parameters are missing from the optimizer; :class:`~contrastive_losses._param_watch.
-ParameterWatch`, which works under ``torch.compile`` too) and once when the radius sits
-above the anchor-positive distance for long (SupCLAP's perpendicular pushes reversed).
+"""The regulariser's training checks, each a warning at the user's line, once:
+
+* its radius never trains (its parameters are in no optimizer that steps;
+  :class:`~contrastive_losses._param_watch.ParameterWatch`, under ``torch.compile`` too);
+* it was built again while an earlier one of the same shape is alive whose radius got
+  gradients but was left out of the optimizer (a regulariser built inside the training
+  loop restarts its radius from ``radius_init`` at every step);
+* the radius sits above the anchor-positive distance for many optimizer steps
+  (SupCLAP's perpendicular pushes reversed).
+
+Steps are optimizer steps (:mod:`~contrastive_losses._optimizer_steps`): gradient
+accumulation counts one per ``optimizer.step()``.
 
 Private: :class:`~contrastive_losses.svr.SupportVectorRegularizer` inherits it; the
 thresholds stay settable on the regulariser (``stuck_after``, ``over_distance_steps``,
@@ -10,13 +18,18 @@ thresholds stay settable on the regulariser (``stuck_after``, ``over_distance_st
 
 from __future__ import annotations
 
-import warnings
+import weakref
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from . import _optimizer_steps
 from ._param_watch import ParameterWatch
+from ._warnings import warn_at_caller
+
+# The learnable regularisers alive, for the rebuilt-in-the-loop check (held weakly).
+_alive: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class _RadiusMonitor:
@@ -26,6 +39,9 @@ class _RadiusMonitor:
     predictor: Any
     radius: Any
     radius_mode: str
+    radius_init: float
+    base: nn.Module
+    direction: str
     # The thresholds, documented and set on the regulariser.
     stuck_after: int
     over_distance_steps: int
@@ -38,54 +54,107 @@ class _RadiusMonitor:
         radius = self.radius
         return [radius] if isinstance(radius, nn.Parameter) and radius.requires_grad else []
 
+    def _arm_watch(self) -> None:
+        params = self._radius_parameters()
+        self._watch.arm(cast(nn.Module, self), params, ["radius"] * len(params))
+
     def _reset_monitor(self) -> None:
         self._watch = ParameterWatch(
-            f"SupportVectorRegularizer: the {self.radius_mode} radius got gradients in "
-            "{steps} training steps but never changed from its initial value, so the SVR "
-            "runs at a fixed radius. Are the regulariser's parameters in the optimizer? "
-            "Pass them with the model's, e.g. torch.optim.Adam("
-            "[*model.parameters(), *loss_fn.parameters()])."
+            f"SupportVectorRegularizer: the {self.radius_mode} {{what}} ({{names}}) got "
+            "gradients in {steps} optimizer steps that did not hold it and never changed "
+            "from its initial value, so the SVR runs at a fixed radius. Are the "
+            "regulariser's parameters in the optimizer? Pass them with the model's, e.g. "
+            "torch.optim.Adam([*model.parameters(), *loss_fn.parameters()])."
         )
-        self._watch.arm(cast(nn.Module, self), self._radius_parameters())
-        self._over_streak: Tensor | None = None
-        self._over_calls = 0
+        self._arm_watch()
+        self._over_streak: Tensor | None = None  # consecutive steps above, on the device
+        self._over_step: Tensor | None = None  # every batch of this step above
+        self._over_steps = 0
         self._over_done = False
+        self._over_listening = False
+        if self._radius_parameters():
+            self._warn_if_rebuilt()
+            _alive.add(self)
+
+    def _shape(self) -> tuple[Any, ...]:
+        """What a regulariser rebuilt with the same arguments repeats."""
+        p = self.predictor
+        sizes = None if p is None else (p.num_features, p.hidden)
+        return (type(self.base), self.radius_mode, self.radius_init, self.direction, sizes)
+
+    def _warn_if_rebuilt(self) -> None:
+        """Warn at the constructor's line if an earlier regulariser of this shape is
+        alive and its radius got gradients before optimizer steps that never held it."""
+        shape = self._shape()
+        if any(
+            other._shape() == shape and other._watch.counted_without_optimizer()
+            for other in list(_alive)
+        ):
+            warn_at_caller(
+                "svr rebuilt",
+                f"SupportVectorRegularizer: built while an earlier one of the same shape "
+                f"(radius={self.radius_mode!r}, radius_init={self.radius_init:g}) is alive "
+                "whose radius got gradients but was in no optimizer that stepped. Is it "
+                "built inside the training loop? Each new one starts its radius from "
+                "radius_init again, so nothing trains it: build it once, before the loop, "
+                "and pass loss_fn.parameters() to the optimizer with the model's.",
+            )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled regulariser watches its own radius parameters."""
         super().__setstate__(state)  # type: ignore[misc]
-        self._watch.arm(cast(nn.Module, self), self._radius_parameters())
+        self._over_listening = False
+        self._arm_watch()
 
     def _rearm_watch(self) -> None:
         """Watch the radius parameters again if they were replaced (eager calls only)."""
-        self._watch.rearm(cast(nn.Module, self), self._radius_parameters())
+        params = self._radius_parameters()
+        self._watch.rearm(cast(nn.Module, self), params, ["radius"] * len(params))
 
     def _monitor(self, over: Tensor) -> None:
-        """Warn once if the radius sits above the distance: a device-side count of
-        consecutive forwards with ``radius_over_distance > 0.5``, read every
-        ``over_distance_check_every`` forwards. (The radius that never trains, its
-        parameters missing from the optimizer, is watched from autograd's side, under
-        ``torch.compile`` too: :class:`~contrastive_losses._param_watch.ParameterWatch`,
-        armed here and after a copy.)"""
+        """Note on the device whether ``radius_over_distance > 0.5`` in this batch; the
+        optimizer step that follows extends or breaks the streak
+        (:meth:`_optimizer_stepped`). (The radius that never trains is watched from
+        autograd's side, under ``torch.compile`` too: :class:`~contrastive_losses.
+        _param_watch.ParameterWatch`, armed here and after a copy.)"""
         if self._over_done:
             return
         above = over.detach() > 0.5
+        step = self._over_step
+        self._over_step = above if step is None or step.device != above.device else step & above
+        if not self._over_listening:
+            self._over_listening = True
+            _optimizer_steps.listen(self)
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """One optimizer step: a step whose every batch had the radius above extends the
+        streak, any other breaks it; read every ``over_distance_check_every`` steps (one
+        host sync), warned once at the user's ``optimizer.step()`` line."""
+        above, self._over_step = self._over_step, None
+        if self._over_done:
+            return False
+        if above is None:  # no training batch since the last step (another optimizer)
+            return True
         streak = self._over_streak
         if streak is None or streak.device != above.device:
             streak = torch.zeros((), dtype=torch.long, device=above.device)
         self._over_streak = torch.where(above, streak + 1, torch.zeros_like(streak))
-        self._over_calls += 1
-        if self._over_calls % self.over_distance_check_every != 0:
-            return
-        if int(self._over_streak) >= self.over_distance_steps:
-            self._over_done = True
-            warnings.warn(
-                "SupportVectorRegularizer: radius_over_distance stayed above 0.5 for "
-                f"{int(self._over_streak)} consecutive training steps: for most anchors "
-                "R > ||a+ - t||, where the factor 1 - R/||a+ - t|| is negative and the "
-                "perpendicular pushes are reversed, not damped. Raise beta (the constraint "
-                "weight; constraint=True for a static radius), lower radius_init, or fix the "
-                "radius (see 'Where the radius goes' on the SVR page of the docs).",
-                UserWarning,
-                stacklevel=5,  # the caller of loss_fn(...)
-            )
+        self._over_steps += 1
+        if self._over_steps % self.over_distance_check_every != 0:
+            return True
+        count = int(self._over_streak)
+        if count < self.over_distance_steps:
+            return True
+        self._over_done = True
+        self._over_listening = False
+        warn_at_caller(
+            "svr over distance",
+            "SupportVectorRegularizer: radius_over_distance stayed above 0.5 for "
+            f"{count} consecutive optimizer steps: for most anchors R > ||a+ - t||, where "
+            "the factor 1 - R/||a+ - t|| is negative and the perpendicular pushes are "
+            "reversed, not damped. Raise beta (the constraint weight; constraint=True for "
+            "a static radius), lower radius_init, or fix the radius (see 'Where the radius "
+            "goes' on the SVR page of the docs).",
+            once=False,
+        )
+        return False

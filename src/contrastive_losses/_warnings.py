@@ -13,8 +13,11 @@ while ``torch.compile`` traces (the stack walk is no graph op).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +27,21 @@ import torch
 _INTERNAL = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent))
 
 _warned: set[tuple[str, str, int]] = set()
+
+# The kinds already told in this thread's current call (:func:`told`).
+_told = threading.local()
+
+
+@contextlib.contextmanager
+def told(kind: str) -> Iterator[None]:
+    """Within, warnings of ``kind`` stay quiet: the caller already gave it (a Module that
+    warned about its own setting when built, calling its functional form)."""
+    before: frozenset[str] = getattr(_told, "kinds", frozenset())
+    _told.kinds = before | {kind}
+    try:
+        yield
+    finally:
+        _told.kinds = before
 
 
 def caller_stacklevel() -> tuple[int, str, int]:
@@ -44,7 +62,10 @@ def warn_at_caller(
     kind: str, message: str, category: type[Warning] = UserWarning, *, once: bool = True
 ) -> None:
     """Warn ``message`` at the caller's line; with ``once`` only the first time ``kind``
-    is met from that line (the caller keeps its own count otherwise)."""
+    is met from that line (the caller keeps its own count otherwise); never within
+    :func:`told` of ``kind``."""
+    if kind in getattr(_told, "kinds", ()):
+        return
     level, filename, lineno = caller_stacklevel()
     key = (kind, filename, lineno)
     if once and key in _warned:

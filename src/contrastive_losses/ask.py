@@ -20,7 +20,7 @@ prototype are partners).
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 from typing import Any
 
 import torch
@@ -41,7 +41,14 @@ from ._checks import (
     check_same_size,
     resolve_validate,
 )
-from ._common import _resolve_temperature, _scale_setting, _temperature
+from ._common import (
+    TEMPERATURE_HABIT,
+    _habit_told,
+    _resolve_temperature,
+    _scale_setting,
+    _temperature,
+)
+from ._warnings import told, warn_at_caller
 from .bank import KnowledgeBank
 from .distributed import (
     all_gather_no_grad,
@@ -96,7 +103,7 @@ def _check_hparams(
             f"{lambda_fine} + {lambda_coarse}"
         )
     check_positive(epsilon, "epsilon")
-    _temperature(temperature, stacklevel=5)  # the library's floor, 1e-4: 1e-30 gave a loss of 6e29
+    _temperature(temperature)  # the library's floor, 1e-4: 1e-30 gave a loss of 6e29
     check_int(sinkhorn_iters, "sinkhorn_iters", 1)
     _check_bool(detach_plan, "detach_plan")
     _check_bool(normalize, "normalize")
@@ -720,10 +727,10 @@ class ASKLoss(nn.Module):
                 )
             k_coarse = min(self.k_coarse, n_protos)
             if k_coarse < self.k_coarse:
-                warnings.warn(
+                warn_at_caller(
+                    "k_coarse",
                     f"k_coarse: {self.k_coarse} exceeds the bank's {n_protos} prototypes; "
                     f"using {n_protos}",
-                    stacklevel=2,
                 )
         out: dict[str, Tensor | None] = {"coarse_audio": None, "coarse_text": None}
         for modality, x in (("audio", audio), ("text", text)):
@@ -830,26 +837,29 @@ class ASKLoss(nn.Module):
             if logit_scale is None
             else {"logit_scale": logit_scale}
         )
-        out = ask(
-            audio,
-            text,
-            knowledge["fine_audio"],
-            knowledge["fine_text"],
-            knowledge["coarse_audio"],
-            knowledge["coarse_text"],
-            injection_ratio=self.injection_ratio,
-            ot_weight=self.ot_weight,
-            lambda_fine=self.lambda_fine,
-            lambda_coarse=self.lambda_coarse,
-            epsilon=self.epsilon,
-            sinkhorn_iters=self.sinkhorn_iters,
-            detach_plan=self.detach_plan,
-            normalize=self.normalize,
-            reduction=self.reduction,
-            return_terms=return_terms,
-            validate_args=validate,
-            **scale,
-        )
+        # a temperature that warned when this Module was built does not warn per call
+        quiet = _habit_told(self.temperature) and logit_scale is None
+        with told(TEMPERATURE_HABIT) if quiet else contextlib.nullcontext():
+            out = ask(
+                audio,
+                text,
+                knowledge["fine_audio"],
+                knowledge["fine_text"],
+                knowledge["coarse_audio"],
+                knowledge["coarse_text"],
+                injection_ratio=self.injection_ratio,
+                ot_weight=self.ot_weight,
+                lambda_fine=self.lambda_fine,
+                lambda_coarse=self.lambda_coarse,
+                epsilon=self.epsilon,
+                sinkhorn_iters=self.sinkhorn_iters,
+                detach_plan=self.detach_plan,
+                normalize=self.normalize,
+                reduction=self.reduction,
+                return_terms=return_terms,
+                validate_args=validate,
+                **scale,
+            )
         if self.reduction != "none" or audio.shape[0] == b:
             return out
         # reduction="none" under gather: this rank's samples only.

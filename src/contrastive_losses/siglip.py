@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from . import _checks
 from ._common import (
+    MIN_PLAUSIBLE_SCALE,
     MIN_TEMPERATURE,
     ContrastivePair,
     Terms,
@@ -36,6 +37,7 @@ from ._common import (
 )
 from ._kernels import _TiledSigmoid
 from ._param_watch import ParameterWatch
+from ._warnings import warn_at_caller
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["SigLIPLoss", "siglip"]
@@ -43,13 +45,32 @@ __all__ = ["SigLIPLoss", "siglip"]
 
 def _check_scale(scale: float | Tensor, validate: bool = True) -> None:
     """SigLIP's logit scale :math:`c = 1/\\tau`: the bound of :func:`_temperature` (a
-    tensor's value with ``validate`` only)."""
+    tensor's value with ``validate`` only); a float below 2 warns, as a temperature above
+    1/2 does (:func:`_warn_low_scale`)."""
     value = _checks.check_positive(scale, "scale", validate=validate)
     if value is not None and value > 1 / MIN_TEMPERATURE:
         raise ValueError(
             f"scale: {value:.3g} exceeds {1 / MIN_TEMPERATURE:g}, the largest logit scale "
             f"(1/temperature) the losses accept"
         )
+    if not isinstance(scale, Tensor):
+        _warn_low_scale(float(scale), "scale")
+
+
+def _warn_low_scale(value: float, name: str) -> None:
+    """Warn, once per calling line, about a float scale below
+    :data:`~contrastive_losses._common.MIN_PLAUSIBLE_SCALE` (a learnable scale that falls
+    there in training is not warned about: a tensor is not read for this)."""
+    if value >= MIN_PLAUSIBLE_SCALE or torch.compiler.is_compiling():
+        return
+    warn_at_caller(
+        "logit_scale below 2",
+        f"{name}={value:.4g} is below {MIN_PLAUSIBLE_SCALE:g} (a temperature above 0.5), "
+        f"where no SigLIP/CLIP recipe trains (SigLIP's scale starts at 10, CLIP's at 14.3): "
+        f"the sigmoid logits stay within about {value:.3g} of the bias, with little "
+        f"learning signal. Pass {name}=10.0, SigLIP's initial value"
+        + (f" (a temperature? {name}={1 / value:.4g})" if value < 1 else ""),
+    )
 
 
 def _check_bias(bias: float | Tensor, validate: bool = True, name: str = "bias") -> None:
@@ -227,6 +248,10 @@ def _dense_pair_losses(
     return F.softplus(logits)
 
 
+# How the watch on parameters left out of the optimizer names log_scale and bias.
+_WATCHED = ["scale", "bias"]
+
+
 class SigLIPLoss(_LossSettings):
     r"""Pairwise sigmoid loss; see :func:`contrastive_losses.functional.siglip`.
 
@@ -268,6 +293,7 @@ class SigLIPLoss(_LossSettings):
                 f"scale_init: {scale_init:g} is outside [{torch.finfo(torch.float32).tiny:.3g}, "
                 f"{1.0 / MIN_TEMPERATURE:g}] (the logit scale is 1/temperature)"
             )
+        _warn_low_scale(float(scale_init), "scale_init")
         if isinstance(bias_init, bool) or not isinstance(bias_init, (int, float)):
             raise TypeError(f"bias_init: expected a float, got {type(bias_init).__name__}")
         if not abs(bias_init) <= 1.0 / MIN_TEMPERATURE:  # False for NaN too
@@ -280,29 +306,29 @@ class SigLIPLoss(_LossSettings):
         log_scale = torch.tensor(math.log(scale_init))
         bias = torch.tensor(float(bias_init))
         self._watch = ParameterWatch(
-            "SigLIPLoss: the learnable scale and bias got gradients in {steps} training "
-            "steps but never changed from their initial values, so the loss trains at a "
-            "fixed scale and bias. Are the loss's parameters in the optimizer? Pass them "
-            "with the model's, e.g. torch.optim.AdamW([*model.parameters(), "
-            "*loss_fn.parameters()]), or build it with learnable=False"
+            "SigLIPLoss: the learnable {what} ({names}) got gradients in {steps} optimizer "
+            "steps that did not hold them and never changed from the initial values, so "
+            "the loss trains with them fixed. Are all the loss's parameters in the "
+            "optimizer? Pass them with the model's, e.g. torch.optim.AdamW("
+            "[*model.parameters(), *loss_fn.parameters()]), or build it with learnable=False"
         )
         if learnable:
             self.log_scale = nn.Parameter(log_scale)
             self.bias = nn.Parameter(bias)
-            self._watch.arm(self, [self.log_scale, self.bias])
+            self._watch.arm(self, [self.log_scale, self.bias], _WATCHED)
         else:
             self.register_buffer("log_scale", log_scale)
             self.register_buffer("bias", bias)
 
-    #: Training steps (backward passes in training mode) after which a learnable scale
-    #: and bias that got gradients but never changed are reported (not in the optimizer).
+    #: Optimizer steps, each after a gradient in training mode, that do not hold the
+    #: learnable scale or the bias, after which one that never changed is reported.
     stuck_after: int = 50
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled loss watches its own scale and bias."""
         super().__setstate__(state)
         if self.learnable:
-            self._watch.arm(self, [self.log_scale, self.bias])
+            self._watch.arm(self, [self.log_scale, self.bias], _WATCHED)
 
     @property
     def scale(self) -> Tensor:
@@ -356,7 +382,7 @@ class SigLIPLoss(_LossSettings):
                 "the model's (logit_scale=..., logit_bias=...) build it with learnable=False"
             )
         if self.learnable:
-            self._watch.rearm(self, [self.log_scale, self.bias])
+            self._watch.rearm(self, [self.log_scale, self.bias], _WATCHED)
         scale: dict[str, Any] = (
             {"scale": self.scale} if logit_scale is None else {"logit_scale": logit_scale}
         )

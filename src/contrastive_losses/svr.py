@@ -597,7 +597,7 @@ def _check_regularizer_settings(
         )
     _refuse_trainable(temperature, "temperature", "learnable_temperature=True on the base")
     if temperature is not None:
-        _temperature(temperature, stacklevel=6)  # + __init__ and its wrapper
+        _temperature(temperature)
     _check_base_reduction(base)
     _checks.check_choice(direction, "direction", DIRECTIONS)
     _check_weight(alpha, "alpha")
@@ -675,11 +675,14 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
     radius with ``beta=0.01`` ended above the distance for nearly every anchor;
     ``beta=1`` kept it below for about 90%.
 
-    Two warnings, once each, in training mode: the radius got gradients for
-    :attr:`stuck_after` steps but never changed (its parameters are not in the
-    optimizer; checked from autograd's side, so under ``torch.compile`` too), and
-    ``radius_over_distance`` stayed above 0.5 for :attr:`over_distance_steps`
-    consecutive steps (eager only).
+    Three warnings, once each, in training mode, at the user's line; "steps" are
+    ``torch.optim`` optimizer steps (gradient accumulation counts one per
+    ``optimizer.step()``): the radius got gradients before :attr:`stuck_after` optimizer
+    steps that did not hold its parameters and never changed (checked from autograd's and
+    the optimizer's side, so under ``torch.compile`` too); ``radius_over_distance``
+    stayed above 0.5 for :attr:`over_distance_steps` consecutive steps (eager only); and
+    a regulariser built while an earlier one of the same shape, whose radius got
+    gradients but was in no optimizer, is alive (built inside the training loop).
 
     Args:
         base: a loss Module with ``contrastive_pairs`` (:class:`~contrastive_losses.InfoNCELoss`,
@@ -866,12 +869,14 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
     # ------------------------------------------------------------------ training checks
     # (the checks themselves: _svr_monitor._RadiusMonitor)
 
-    #: Gradients (backward passes in training mode) after which a radius that never
-    #: moved from its value at its first gradient is reported; eager and compiled alike.
+    #: Optimizer steps, each after a gradient in training mode, that do not hold the
+    #: radius' parameters, after which a radius that never moved from its value at its
+    #: first gradient is reported; eager and compiled alike.
     stuck_after: int = 50
-    #: Consecutive training forwards with ``radius_over_distance > 0.5`` that are reported.
+    #: Consecutive optimizer steps whose every training batch had
+    #: ``radius_over_distance > 0.5`` that are reported.
     over_distance_steps: int = 200
-    #: ``radius_over_distance`` is read (one device sync) once every this many forwards.
+    #: The streak is read (one device sync) once every this many optimizer steps.
     over_distance_check_every: int = 25
 
     # ------------------------------------------------------------------ internals

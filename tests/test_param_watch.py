@@ -1,0 +1,222 @@
+"""The "never changed" watch counts optimizer steps, judges each parameter on its own and
+keeps nothing alive (issue 33 item 2); an SVR rebuilt inside the loop is named (issue 34).
+
+Each case is a training loop as users write them: a learning-rate warm-up held at 0, a
+param group of the loss at lr 0, 64 micro-batches per optimizer step, SigLIP's bias left
+out of the optimizer while its scale trains, losses built and dropped by the thousand.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from contrastive_losses import InfoNCELoss, SigLIPLoss, SupportVectorRegularizer
+
+D = 6
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    a = torch.randn(8, D, generator=g)
+    return a, a + torch.randn(8, D, generator=g)
+
+
+def _loop(loss_fn, steps: int, groups, *, accumulate: int = 1, schedule=None, enc=None):
+    """``steps`` optimizer steps of a tiny encoder, ``accumulate`` micro-batches each;
+    ``groups(enc, loss_fn)`` gives the optimizer's param groups. Returns the messages
+    of the "never changed" warnings."""
+    torch.manual_seed(0)
+    enc = enc or nn.Linear(D, 4)
+    opt = torch.optim.SGD(groups(enc, loss_fn), lr=0.05)
+    sched = None if schedule is None else torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            for micro in range(accumulate):
+                a, t = _batch(step * accumulate + micro)
+                (loss_fn(enc(a), enc(t)) / accumulate).backward()
+            opt.step()  # the line the warning names
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+    return [w for w in record if "never changed" in str(w.message)]
+
+
+def _all(enc, loss_fn):
+    return [*enc.parameters(), *loss_fn.parameters()]
+
+
+def _model_only(enc, loss_fn):
+    return list(enc.parameters())
+
+
+LEARNERS = {
+    "InfoNCELoss": lambda: InfoNCELoss(0.07, learnable_temperature=True),
+    "SigLIPLoss": SigLIPLoss,
+    "SVR": lambda: SupportVectorRegularizer(InfoNCELoss(0.1), radius="dynamic"),
+}
+
+
+@pytest.mark.parametrize("name", list(LEARNERS))
+def test_warm_up_held_at_zero_is_no_false_alarm(name):
+    """lr 0 for the first 80 optimizer steps (default ``stuck_after`` 50), then 1: the
+    loss's parameters are in the optimizer, so nothing warns, and they train after."""
+    loss_fn = LEARNERS[name]()
+    before = [p.detach().clone() for p in loss_fn.parameters()]
+    record = _loop(loss_fn, 90, _all, schedule=lambda s: 0.0 if s < 80 else 1.0)
+    assert record == []
+    assert any(not torch.equal(p, q) for p, q in zip(loss_fn.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("name", list(LEARNERS))
+def test_a_loss_param_group_at_lr_zero_is_no_false_alarm(name):
+    """The loss's parameters in a group of their own held at lr 0 for 100 steps: they
+    are in the optimizer (on purpose frozen), not left out."""
+    loss_fn = LEARNERS[name]()
+    record = _loop(
+        loss_fn,
+        100,
+        lambda enc, fn: [{"params": enc.parameters()}, {"params": fn.parameters(), "lr": 0.0}],
+    )
+    assert record == []
+
+
+@pytest.mark.parametrize("name", list(LEARNERS))
+def test_gradient_accumulation_counts_optimizer_steps(name):
+    """64 micro-batches per step: 3 steps are 192 backward passes, above ``stuck_after``
+    (50), and nothing warns in the optimizer; left out, ``stuck_after = 3`` warns after
+    the third optimizer step, not after the third backward pass."""
+    assert _loop(LEARNERS[name](), 3, _all, accumulate=64) == []
+    loss_fn = LEARNERS[name]()
+    loss_fn.stuck_after = 3
+    assert _loop(loss_fn, 2, _model_only, accumulate=64) == []  # 128 backward passes
+    del loss_fn  # (an SVR alive, left out, would make the next one a "rebuilt" one)
+    loss_fn = LEARNERS[name]()
+    loss_fn.stuck_after = 3
+    record = _loop(loss_fn, 3, _model_only, accumulate=8)
+    assert len(record) == 1 and "3 optimizer steps" in str(record[0].message)
+    assert record[0].filename == __file__
+    line = open(__file__).read().splitlines()[record[0].lineno - 1]
+    assert line.strip().startswith("opt.step()")
+
+
+def test_siglip_bias_left_out_while_the_scale_trains_warns_naming_the_bias():
+    loss_fn = SigLIPLoss()
+    loss_fn.stuck_after = 5
+    record = _loop(loss_fn, 10, lambda enc, fn: [*enc.parameters(), fn.log_scale])
+    assert len(record) == 1, [str(w.message) for w in record]
+    message = str(record[0].message)
+    assert "learnable bias ('bias')" in message and "log_scale" not in message
+    # the scale left out instead: named alone
+    loss_fn = SigLIPLoss()
+    loss_fn.stuck_after = 5
+    record = _loop(loss_fn, 10, lambda enc, fn: [*enc.parameters(), fn.bias])
+    assert len(record) == 1 and "learnable scale ('log_scale')" in str(record[0].message)
+
+
+def test_an_optimizer_stepping_without_the_loss_and_another_with_it_is_silent():
+    """Two optimizers, the model's and the loss's: each step of the model's does not hold
+    the loss's parameters, the loss's does; nothing warns."""
+    loss_fn = SigLIPLoss()
+    loss_fn.stuck_after = 2
+    enc = nn.Linear(D, 4)
+    opt_enc = torch.optim.SGD(enc.parameters(), lr=0.05)
+    opt_loss = torch.optim.SGD(loss_fn.parameters(), lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(6):
+            a, t = _batch(step)
+            loss_fn(enc(a), enc(t)).backward()
+            opt_enc.step()
+            opt_loss.step()
+            opt_enc.zero_grad()
+            opt_loss.zero_grad()
+
+
+def test_a_hand_written_update_is_not_watched():
+    """No ``torch.optim`` optimizer steps (the model updated by hand): no step is counted,
+    so nothing warns, however many backward passes (the docs say so)."""
+    loss_fn = InfoNCELoss(0.07, learnable_temperature=True)
+    loss_fn.stuck_after = 2
+    enc = nn.Linear(D, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(10):
+            a, t = _batch(step)
+            loss_fn(enc(a), enc(t)).backward()
+            with torch.no_grad():
+                for p in enc.parameters():
+                    p -= 0.05 * p.grad
+                    p.grad = None
+    assert loss_fn.log_logit_scale.grad is not None  # it got gradients all along
+
+
+def _alive_after_dropping(build, n: int) -> int:
+    """Build ``n`` losses with ``build`` (one training step each, so their watches hold
+    copies and listen to the optimizer), drop them, collect: how many of them, their
+    parameters or their watches are alive."""
+    a = torch.randn(8, D, requires_grad=True)
+    t = torch.randn(8, D)
+    opt = torch.optim.SGD([a], lr=0.0)
+    refs: list[weakref.ref] = []
+    for i in range(n):
+        loss_fn = build()
+        if i % 10 == 0:  # a few train (a snapshot and a listener), every one is armed
+            loss_fn(a, t).backward()
+            opt.step()
+        refs += [weakref.ref(loss_fn), weakref.ref(loss_fn._watch)]
+        refs += [weakref.ref(p) for p in loss_fn.parameters()]
+        del loss_fn
+    gc.collect()
+    return sum(ref() is not None for ref in refs)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: SupportVectorRegularizer(InfoNCELoss(), radius="dynamic"),
+        lambda: copy.deepcopy(SupportVectorRegularizer(InfoNCELoss(), radius="static")),
+        lambda: InfoNCELoss(learnable_temperature=True),
+        SigLIPLoss,
+    ],
+    ids=["SVR dynamic", "deep copies", "InfoNCELoss", "SigLIPLoss"],
+)
+def test_dropped_learnable_losses_are_freed(build):
+    """1,000 built and dropped, none alive after ``gc.collect()`` (the hooks held the
+    watch, the watch the parameters: torch does not collect that cycle)."""
+    assert _alive_after_dropping(build, 1000) == 0
+
+
+def test_an_svr_rebuilt_inside_the_loop_is_named():
+    """``loss_fn = SupportVectorRegularizer(...)`` inside the loop: the previous one (still
+    bound while the next is built) got gradients in a step of an optimizer without it,
+    so the rebuild warns at the constructor's line; built once, nothing warns."""
+    enc = nn.Linear(D, 4)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.05)
+    loss_fn = None
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(4):
+            loss_fn = SupportVectorRegularizer(InfoNCELoss(0.1), radius="dynamic")  # named
+            a, t = _batch(step)
+            loss_fn(enc(a), enc(t)).backward()
+            opt.step()
+    rebuilt = [w for w in record if "inside the training loop" in str(w.message)]
+    assert len(rebuilt) == 1, [str(w.message) for w in record]
+    assert rebuilt[0].filename == __file__
+    line = open(__file__).read().splitlines()[rebuilt[0].lineno - 1]
+    assert line.strip().startswith("loss_fn = SupportVectorRegularizer(")
+    del loss_fn
+    # built once, in the optimizer, then a second of the same shape (an evaluation copy)
+    first = SupportVectorRegularizer(InfoNCELoss(0.1), radius="dynamic")
+    assert _loop(first, 3, _all) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SupportVectorRegularizer(InfoNCELoss(0.1), radius="dynamic")
