@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 STUDIES = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
 pytest.importorskip("matplotlib", reason="the studies plot with matplotlib (dev extra)")
@@ -42,6 +43,10 @@ def test_study_runs_every_arm_on_tiny_data_and_renders(tmp_path, monkeypatch) ->
     monkeypatch.setattr(study, "ASK_REFRESH", 1)
     monkeypatch.setattr(study, "MELS", 4)  # the generated patches are 8 x 8
     monkeypatch.setattr(study, "FRAMES", 6)
+    monkeypatch.setattr(study, "SEQ_MELS", 4)
+    monkeypatch.setattr(study, "SEQ_POOL", 1)
+    monkeypatch.setattr(study, "WIDTH", 8)
+    monkeypatch.setattr(study, "TEXT_HIDDEN", 8)
     monkeypatch.setattr(study, "TEXT_HEAD", "linear_from_identity")
     monkeypatch.setattr(study, "DIM", 16)
     data = real_data.synthetic(seed=0)
@@ -61,6 +66,14 @@ def test_study_runs_every_arm_on_tiny_data_and_renders(tmp_path, monkeypatch) ->
         mean = sum(v["t2a_R@1"] for v in r["per_language"].values()) / k
         assert r["t2a_R@1"] == pytest.approx(mean, rel=1e-4)
         assert r["epochs"] == (2 * k if r["method"] == "random_xK" else 2)
+    base = [r for r in runs if r["method"] == "random"]
+    untrained = sum(r["untrained"]["mrv"] for r in base) / len(base)
+    assert saved["chance"]["mrv_untrained"] == pytest.approx(untrained, rel=1e-5)
+    assert saved["chance"]["mrv_shuffled"] > 0
+    for r in runs:  # the frozen text side does not move; the trainable one does
+        moved = r["captions_en_to_x"] != r["captions_en_to_x_before"]
+        assert set(r["captions_en_to_x"]) == set(data.languages[1:])
+        assert moved or r["method"] in study.TEXT_ARMS
     svr = [r for r in runs if r["method"].startswith("svr_")]
     assert all(len(r["radius"]) == 2 for r in svr)
     assert payload["chance"] == pytest.approx(saved["chance"], rel=1e-5)
@@ -75,7 +88,8 @@ def test_study_runs_every_arm_on_tiny_data_and_renders(tmp_path, monkeypatch) ->
     ]
 
 
-def test_swap_moves_a_fifth_of_the_captions_and_keeps_evaluation_clean() -> None:
+def test_swap_moves_a_fifth_of_the_captions_and_keeps_evaluation_clean(monkeypatch) -> None:
+    monkeypatch.setattr(study, "SEQ_MELS", 4)
     data = real_data.synthetic(seed=1)
     clean = study.prepare(data, seed=0, swap=0.0)
     swapped = study.prepare(data, seed=0, swap=0.2)
@@ -87,8 +101,6 @@ def test_swap_moves_a_fifth_of_the_captions_and_keeps_evaluation_clean() -> None
 
 
 def test_mrv_chance_matches_uniform_ranks() -> None:
-    import torch
-
     g = torch.Generator().manual_seed(0)
     n, k = 50, 4
     ranks = torch.stack([torch.randperm(n, generator=g) + 1 for _ in range(k * 400)])
@@ -102,6 +114,9 @@ def test_results_resume_from_the_cache_and_collect_without_training(tmp_path, mo
     monkeypatch.setattr(study, "BATCH", 32)
     monkeypatch.setattr(study, "MELS", 4)
     monkeypatch.setattr(study, "FRAMES", 6)
+    monkeypatch.setattr(study, "SEQ_MELS", 4)
+    monkeypatch.setattr(study, "SEQ_POOL", 2)
+    monkeypatch.setattr(study, "WIDTH", 8)
     monkeypatch.setattr(study, "DIM", 16)  # the frozen text side is the 16-d features
     data = real_data.synthetic(seed=2)
     args = _args(tmp_path / "out")
@@ -118,3 +133,37 @@ def test_results_resume_from_the_cache_and_collect_without_training(tmp_path, mo
     ]
     args.shard = "1/2"  # the second of two processes would run only the cacl job
     assert study.jobs(("random", "cacl"), 1, 1)[1::2] == [("cacl", 0)]
+
+
+def test_heldout_recordings_have_no_copy_in_training() -> None:
+    data = real_data.synthetic(seed=3)
+    _, held = study.heldout_recordings(data)
+    assert len(held) > 0
+    # give every held-out clip a byte-identical twin among the other training clips
+    for i in held.tolist():
+        twin = next(
+            j for j in data.indices("train").tolist() if j != i and data.desc[j] == data.desc[i]
+        )
+        data.twin[i] = data.twin[twin]
+    train, again = study.heldout_recordings(data)
+    assert not set(again.tolist()) & set(held.tolist())
+    copies = torch.bincount(data.twin[data.indices("train")])
+    assert all(int(copies[data.twin[i]]) == 1 for i in again.tolist())
+    assert not set(again.tolist()) & set(train.tolist())
+
+
+def test_length_only_input_carries_the_duration_and_nothing_else(monkeypatch) -> None:
+    monkeypatch.setattr(study, "SEQ_MELS", 4)
+    monkeypatch.setattr(study, "SEQ_POOL", 1)
+    data = real_data.synthetic(seed=4)
+    data.seconds = torch.log(torch.randint(2, 9, (len(data.seconds),)) / 100)
+    other = real_data.synthetic(seed=5)
+    other.seconds = data.seconds
+    a, steps = study.audio_input(data, "length_only")
+    b, _ = study.audio_input(other, "length_only")
+    assert torch.equal(a, b) and not torch.equal(
+        *(study.audio_input(x, "random")[0] for x in (data, other))
+    )
+    assert torch.equal(a.sum((1, 2)), 4 * steps.float())
+    full, _ = study.audio_input(data, "random")
+    assert full.abs().sum() > 0 and torch.equal(steps, study.frame_counts(data))

