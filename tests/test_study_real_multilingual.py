@@ -35,20 +35,16 @@ def _args(out: Path, render: bool = False) -> argparse.Namespace:
     )
 
 
+def _tiny(monkeypatch, **settings) -> None:
+    """Settings sized to the generated data (8 x 8 patches, 16-d text, 60 descriptions)."""
+    base = {"MIN_GALLERY": 10, "BATCH": 32, "MELS": 4, "FRAMES": 6, "SEQ_MELS": 4}
+    base.update({"SEQ_POOL": 1, "WIDTH": 8, "TEXT_HIDDEN": 8, "DIM": 16})
+    for name, value in {**base, **settings}.items():
+        monkeypatch.setattr(study, name, value)
+
+
 def test_study_runs_every_arm_on_tiny_data_and_renders(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(study, "MIN_GALLERY", 10)
-    monkeypatch.setattr(study, "EVAL_EVERY", 1)
-    monkeypatch.setattr(study, "XK_SEEDS", 1)
-    monkeypatch.setattr(study, "BATCH", 32)
-    monkeypatch.setattr(study, "ASK_REFRESH", 1)
-    monkeypatch.setattr(study, "MELS", 4)  # the generated patches are 8 x 8
-    monkeypatch.setattr(study, "FRAMES", 6)
-    monkeypatch.setattr(study, "SEQ_MELS", 4)
-    monkeypatch.setattr(study, "SEQ_POOL", 1)
-    monkeypatch.setattr(study, "WIDTH", 8)
-    monkeypatch.setattr(study, "TEXT_HIDDEN", 8)
-    monkeypatch.setattr(study, "TEXT_HEAD", "linear_from_identity")
-    monkeypatch.setattr(study, "DIM", 16)
+    _tiny(monkeypatch, EVAL_EVERY=1, XK_SEEDS=1, ASK_REFRESH=1, TEXT_HEAD="linear_from_identity")
     data = real_data.synthetic(seed=0)
     payload = study.study(_args(tmp_path), data)
     saved = json.loads((tmp_path / "real_multilingual.json").read_text())
@@ -113,14 +109,7 @@ def test_mrv_chance_matches_uniform_ranks() -> None:
 
 
 def test_results_resume_from_the_cache_and_collect_without_training(tmp_path, monkeypatch):
-    monkeypatch.setattr(study, "MIN_GALLERY", 10)
-    monkeypatch.setattr(study, "BATCH", 32)
-    monkeypatch.setattr(study, "MELS", 4)
-    monkeypatch.setattr(study, "FRAMES", 6)
-    monkeypatch.setattr(study, "SEQ_MELS", 4)
-    monkeypatch.setattr(study, "SEQ_POOL", 2)
-    monkeypatch.setattr(study, "WIDTH", 8)
-    monkeypatch.setattr(study, "DIM", 16)  # the frozen text side is the 16-d features
+    _tiny(monkeypatch, SEQ_POOL=2)  # DIM 16: the frozen text side is the 16-d features
     data = real_data.synthetic(seed=2)
     args = _args(tmp_path / "out")
     args.methods, args.seeds, args.epochs = "random,cacl", 1, 1
@@ -173,13 +162,7 @@ def test_length_only_input_carries_the_duration_and_nothing_else(monkeypatch) ->
 
 
 def test_probe_reports_validation_and_never_reads_the_test_split(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(study, "MIN_GALLERY", 10)
-    monkeypatch.setattr(study, "BATCH", 32)
-    monkeypatch.setattr(study, "SEQ_MELS", 4)
-    monkeypatch.setattr(study, "SEQ_POOL", 1)
-    monkeypatch.setattr(study, "DIM", 16)
-    monkeypatch.setattr(study, "EVAL_EVERY", 1)
-    monkeypatch.setattr(study, "WIDTH", study.WIDTH)  # restored after --set changes it
+    _tiny(monkeypatch, EVAL_EVERY=1)  # WIDTH too: restored after --set changes it
     asked: list[str] = []
     galleries = study.galleries
     monkeypatch.setattr(

@@ -128,7 +128,7 @@ TEXT_HIDDEN = 384  # the *_text arms' trainable block (real_towers.TextBlock)
 TEXT_HEAD = "identity"  # see the module doc
 TEXT_LR = 0.1
 TEXT_STANDARDISE = False  # neutral in a one-seed probe (val 4.97 vs 4.87 at 60 epochs)
-EPOCHS, QUICK_EPOCHS = 100, 4
+EPOCHS, QUICK_EPOCHS = 40, 4
 SEEDS = 5
 XK_SEEDS = 2
 PROTOTYPES = 64  # ASK's k-means prototypes (coarse knowledge), as benchmarks/studies/ask.py
@@ -136,7 +136,7 @@ MIN_GALLERY = 100
 SVR_BASE = "random"  # see the module doc
 ASK_REFRESH = 15
 SWAP = 0.2
-EVAL_EVERY = 25  # validation curve points (test only after the last epoch)
+EVAL_EVERY = 10  # validation curve points (test only after the last epoch)
 METHODS = (
     "random",
     "kcl",
