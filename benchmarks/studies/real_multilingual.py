@@ -1259,15 +1259,15 @@ language it hears them in.
 
 **The text side.** A trainable block on top of frozen e5 (the wheel exposes no layer to
 unfreeze) moves little: random-language InfoNCE with it +0.69 ± 0.41 points over the
-frozen baseline (2/2 seeds), with MRV +16 ± 4 (2/2); KCL, CACL and all-pairs with it
-ran one seed each when the results were committed (+0.71, +0.42 and +1.20 over
-random_text in that seed): nothing can be read from them yet. English -> X caption
-retrieval through the text side (R@1 over the 140 test descriptions, mean over the 11
-languages) goes from e5's 66.9 % to 68.3 % (random_text), 68.5 % (KCL), 68.4 %
-(all-pairs) and **71.6 % (CACL)**, whose English-other term is the only one that trains
-the text side on caption pairs: the alignment ATRI credits CACL with shows up on the
-text side (Belarusian 57 -> 64 %, Greek 56 -> 66 %, Russian 64 -> 71 %), not yet in
-retrieval from audio.
+frozen baseline (2/2 seeds), MRV +16 ± 4 (2/2); over random_text, KCL with it +0.63 ±
+0.12 (2/2) and CACL +0.43 ± 0.02 (2/2), all-pairs +1.20 (one seed, so KCL's edge is
+again not resolved from seeing K captions a step). Two seeds resolve nothing of this
+size. English -> X caption retrieval through the text side (R@1 over the 140 test
+descriptions, mean over the 11 languages) goes from e5's 66.9 % to 68.3 %
+(random_text), 68.4 % (KCL), 68.4 % (all-pairs, one seed) and **71.8 % (CACL)**, whose
+English-other term is the only one that trains the text side on caption pairs: the
+alignment ATRI credits CACL with shows up on the text side (Belarusian 57 -> 64 %, Greek
+56 -> 66 %, Russian 64 -> 71 %), not as a clear gain in retrieval from audio.
 """
 
 
