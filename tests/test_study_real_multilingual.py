@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 STUDIES = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
 pytest.importorskip("matplotlib", reason="the studies plot with matplotlib (dev extra)")
@@ -36,16 +37,16 @@ def _args(out: Path, render: bool = False) -> argparse.Namespace:
     )
 
 
+def _tiny(monkeypatch, **settings) -> None:
+    """Settings sized to the generated data (8 x 8 patches, 16-d text, 60 descriptions)."""
+    base = {"MIN_GALLERY": 10, "BATCH": 32, "MELS": 4, "FRAMES": 6, "SEQ_MELS": 4}
+    base.update({"SEQ_POOL": 1, "WIDTH": 8, "TEXT_HIDDEN": 8, "DIM": 16})
+    for name, value in {**base, **settings}.items():
+        monkeypatch.setattr(study, name, value)
+
+
 def test_study_runs_every_arm_on_tiny_data_and_renders(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(study, "MIN_GALLERY", 10)
-    monkeypatch.setattr(study, "EVAL_EVERY", 1)
-    monkeypatch.setattr(study, "XK_SEEDS", 1)
-    monkeypatch.setattr(study, "BATCH", 32)
-    monkeypatch.setattr(study, "ASK_REFRESH", 1)
-    monkeypatch.setattr(study, "MELS", 4)  # the generated patches are 8 x 8
-    monkeypatch.setattr(study, "FRAMES", 6)
-    monkeypatch.setattr(study, "TEXT_HEAD", "linear_from_identity")
-    monkeypatch.setattr(study, "DIM", 16)
+    _tiny(monkeypatch, EVAL_EVERY=1, XK_SEEDS=1, ASK_REFRESH=1, TEXT_HEAD="linear_from_identity")
     data = real_data.synthetic(seed=0)
     payload = study.study(_args(tmp_path), data)
     saved = json.loads((tmp_path / "real_multilingual.json").read_text())
@@ -72,6 +73,17 @@ def test_study_runs_every_arm_on_tiny_data_and_renders(tmp_path, monkeypatch) ->
         mean = sum(v["t2a_R@1"] for v in r["per_language"].values()) / k
         assert r["t2a_R@1"] == pytest.approx(mean, rel=1e-4)
         assert r["epochs"] == (2 * k if r["method"] == "random_xK" else 2)
+    base = [r for r in runs if r["method"] == "random"]
+    untrained = sum(r["untrained"]["mrv"] for r in base) / len(base)
+    assert saved["chance"]["mrv_untrained"] == pytest.approx(untrained, rel=1e-5)
+    assert saved["chance"]["mrv_shuffled"] > 0
+    # the text arms' block starts as the identity: their "before" is e5's own alignment
+    prep = study.prepare(data, 0, 0.0)
+    raw = study.caption_alignment(torch.nn.ModuleDict({"text": torch.nn.Identity()}), prep)
+    for r in runs:
+        assert set(r["captions_en_to_x"]) == set(data.languages[1:])
+        if r["method"] in study.TEXT_ARMS:
+            assert r["captions_en_to_x_before"] == pytest.approx(raw, rel=1e-5)
     svr = [r for r in runs if r["method"].startswith("svr_")]
     assert all(len(r["radius"]) == 2 for r in svr)
     assert payload["chance"] == pytest.approx(saved["chance"], rel=1e-5)
@@ -86,7 +98,8 @@ def test_study_runs_every_arm_on_tiny_data_and_renders(tmp_path, monkeypatch) ->
     ]
 
 
-def test_swap_moves_a_fifth_of_the_captions_and_keeps_evaluation_clean() -> None:
+def test_swap_moves_a_fifth_of_the_captions_and_keeps_evaluation_clean(monkeypatch) -> None:
+    monkeypatch.setattr(study, "SEQ_MELS", 4)
     data = real_data.synthetic(seed=1)
     clean = study.prepare(data, seed=0, swap=0.0)
     swapped = study.prepare(data, seed=0, swap=0.2)
@@ -98,8 +111,6 @@ def test_swap_moves_a_fifth_of_the_captions_and_keeps_evaluation_clean() -> None
 
 
 def test_mrv_chance_matches_uniform_ranks() -> None:
-    import torch
-
     g = torch.Generator().manual_seed(0)
     n, k = 50, 4
     ranks = torch.stack([torch.randperm(n, generator=g) + 1 for _ in range(k * 400)])
@@ -109,11 +120,7 @@ def test_mrv_chance_matches_uniform_ranks() -> None:
 
 
 def test_results_resume_from_the_cache_and_collect_without_training(tmp_path, monkeypatch):
-    monkeypatch.setattr(study, "MIN_GALLERY", 10)
-    monkeypatch.setattr(study, "BATCH", 32)
-    monkeypatch.setattr(study, "MELS", 4)
-    monkeypatch.setattr(study, "FRAMES", 6)
-    monkeypatch.setattr(study, "DIM", 16)  # the frozen text side is the 16-d features
+    _tiny(monkeypatch, SEQ_POOL=2)  # DIM 16: the frozen text side is the 16-d features
     data = real_data.synthetic(seed=2)
     args = _args(tmp_path / "out")
     args.methods, args.seeds, args.epochs = "random,cacl", 1, 1
@@ -129,3 +136,57 @@ def test_results_resume_from_the_cache_and_collect_without_training(tmp_path, mo
     ]
     args.shard = "1/2"  # the second of two processes would run only the cacl job
     assert study.jobs(("random", "cacl"), 1, 1)[1::2] == [("cacl", 0)]
+
+
+def test_heldout_recordings_have_no_copy_in_training() -> None:
+    data = real_data.synthetic(seed=3)
+    _, held = study.heldout_recordings(data)
+    assert len(held) > 0
+    # give every held-out clip a byte-identical twin among the other training clips
+    for i in held.tolist():
+        twin = next(
+            j for j in data.indices("train").tolist() if j != i and data.desc[j] == data.desc[i]
+        )
+        data.twin[i] = data.twin[twin]
+    train, again = study.heldout_recordings(data)
+    assert not set(again.tolist()) & set(held.tolist())
+    copies = torch.bincount(data.twin[data.indices("train")])
+    assert all(int(copies[data.twin[i]]) == 1 for i in again.tolist())
+    assert not set(again.tolist()) & set(train.tolist())
+
+
+def test_length_only_input_carries_the_duration_and_nothing_else(monkeypatch) -> None:
+    monkeypatch.setattr(study, "SEQ_MELS", 4)
+    monkeypatch.setattr(study, "SEQ_POOL", 1)
+    data = real_data.synthetic(seed=4)
+    data.seconds = torch.log(torch.randint(2, 9, (len(data.seconds),)) / 100)
+    other = real_data.synthetic(seed=5)
+    other.seconds = data.seconds
+    a, steps = study.audio_input(data, "length_only")
+    b, _ = study.audio_input(other, "length_only")
+    assert torch.equal(a, b) and not torch.equal(
+        *(study.audio_input(x, "random")[0] for x in (data, other))
+    )
+    assert torch.equal(a.sum((1, 2)), 4 * steps.float())
+    full, _ = study.audio_input(data, "random")
+    assert full.abs().sum() > 0 and torch.equal(steps, study.frame_counts(data))
+
+
+def test_probe_reports_validation_and_never_reads_the_test_split(tmp_path, monkeypatch) -> None:
+    _tiny(monkeypatch, EVAL_EVERY=1)  # WIDTH too: restored after --set changes it
+    asked: list[str] = []
+    galleries = study.galleries
+    monkeypatch.setattr(
+        study, "galleries", lambda d, split: asked.append(split) or galleries(d, split)
+    )
+    args = _args(tmp_path / "out")
+    args.probe, args.set, args.methods, args.seeds, args.epochs = True, ["WIDTH=8"], "random", 1, 2
+    out = study.study(args, real_data.synthetic(seed=6))
+    assert out["settings"] == {"WIDTH": 8} and study.WIDTH == 8
+    (run,) = out["probe"]
+    assert len(run["curves"]["val_t2a"]) == 2 and 0 <= run["val_t2a_R@1"] <= 1
+    assert asked and set(asked) == {"val"}
+    assert not (tmp_path / "out").exists()  # nothing written
+    args.set = ["NOT_A_SETTING=1"]
+    with pytest.raises(SystemExit, match="NOT_A_SETTING"):
+        study.study(args, real_data.synthetic(seed=6))

@@ -33,6 +33,8 @@ N_FFT, HOP, MELS = 400, 160, 64
 FMIN, FMAX = 50.0, 8000.0
 TRIM_DB = 35.0
 FRAMES = 48
+#: Frames (10 ms each) kept of the trimmed speech in :func:`sequence_features`.
+MAX_FRAMES = 256
 SPLITS = ("train", "val", "test")
 #: Manifest language codes of the study's caption languages (English first: the anchor).
 LANGUAGES = (
@@ -60,7 +62,9 @@ class RealData:
     (False: no caption in that language, a zero row); ``desc (N,)`` the clip's description;
     ``spoken (N,)`` index into ``spoken_languages``; ``split (N,)`` index into ``SPLITS``;
     ``gallery (N,)`` whether a val/test clip is in its split's evaluation gallery (the
-    builder's ``galleries/``: one recording per description group and spoken language).
+    builder's ``galleries/``: one recording per description group and spoken language);
+    ``twin (N,)`` the index of the clip's audio bytes (byte-identical copies share it; the
+    clip's own index where the manifests have no ``audio_sha256``).
     """
 
     audio: Tensor
@@ -71,12 +75,14 @@ class RealData:
     spoken: Tensor
     split: Tensor
     gallery: Tensor  # (N,) bool: the clip is in an evaluation gallery
+    twin: Tensor  # (N,) long: clips with the same index have byte-identical audio
     languages: list[str]
     spoken_languages: list[str]
     audio_ids: list[str] = field(default_factory=list)
 
     def to(self, device: str | torch.device) -> RealData:
         names = ("audio", "seconds", "text", "present", "desc", "spoken", "split", "gallery")
+        names += ("twin",)
         moved = {k: getattr(self, k).to(device) for k in names}
         return RealData(
             **moved,
@@ -112,6 +118,7 @@ class Clip:
     description: str
     captions: dict[str, str]
     in_gallery: bool = True
+    audio_sha256: str = ""
 
 
 def read_manifests(folder: Path, languages: Sequence[str] = LANGUAGES) -> list[Clip]:
@@ -145,6 +152,7 @@ def read_manifests(folder: Path, languages: Sequence[str] = LANGUAGES) -> list[C
                         split,
                         row["description_id"],
                         {},
+                        audio_sha256=row.get("audio_sha256", ""),
                     ),
                 )
                 if row["language"] in languages:
@@ -212,6 +220,39 @@ def audio_cache_path(clips: Sequence[Clip], cache: Path, frames: int = FRAMES) -
     return cache / f"tuxpaint-audio-{key}.pt"
 
 
+def trimmed(mel: Tensor) -> Tensor:
+    """``(T, M)`` with frames ``TRIM_DB`` dB below the loudest cut from both ends."""
+    loud = mel.amax(dim=1)
+    keep = (loud > loud.max() - TRIM_DB * math.log(10) / 10).nonzero()[:, 0]
+    return mel[int(keep[0]) : int(keep[-1]) + 1]
+
+
+def sequence_features(
+    clips: Sequence[Clip], cache: Path, max_frames: int = MAX_FRAMES, progress: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Time-resolved features: ``(N, MELS, max_frames)`` float16 log-mel frames every 10 ms
+    of the trimmed speech (the first ``max_frames``, zero after) and ``(N,)`` the trimmed
+    speech's frame counts (not capped); cached in ``cache`` like :func:`audio_features`."""
+    path = audio_cache_path(clips, cache, -max_frames)
+    if path.is_file():
+        saved = torch.load(path)
+        return saved["audio"], saved["frames"]
+    filters = mel_filterbank()
+    audio = torch.zeros(len(clips), MELS, max_frames, dtype=torch.float16)
+    frames = torch.zeros(len(clips), dtype=torch.long)
+    for i, clip in enumerate(clips):
+        mel = trimmed(log_mel(read_wave(clip.audio_path), filters))
+        frames[i] = len(mel)
+        mel = mel[:max_frames]
+        audio[i, :, : len(mel)] = mel.T.half()
+        if progress and (i + 1) % 500 == 0:
+            print(f"  sequence features {i + 1}/{len(clips)}", flush=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save({"audio": audio, "frames": frames}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return audio, frames
+
+
 def audio_features(
     clips: Sequence[Clip], cache: Path, frames: int = FRAMES, progress: bool = True
 ) -> tuple[Tensor, Tensor]:
@@ -266,6 +307,8 @@ def build(
             if lang in caps:
                 text[d, k], present[d, k] = features[row[caps[lang]]], True
     spoken = sorted({c.spoken for c in clips})
+    digest: dict[str, int] = {}
+    twin = [digest.setdefault(c.audio_sha256 or f"clip {i}", i) for i, c in enumerate(clips)]
     return RealData(
         audio=audio,
         seconds=seconds.float(),
@@ -275,6 +318,7 @@ def build(
         spoken=torch.tensor([spoken.index(c.spoken) for c in clips]),
         split=torch.tensor([SPLITS.index(c.split) for c in clips]),
         gallery=torch.tensor([c.in_gallery for c in clips]),
+        twin=torch.tensor(twin),
         languages=list(languages),
         spoken_languages=spoken,
         audio_ids=[c.audio_id for c in clips],
@@ -319,6 +363,7 @@ def synthetic(
         spoken=torch.arange(clips) % spoken,
         split=desc_split[desc],
         gallery=torch.ones(clips, dtype=torch.bool),
+        twin=torch.arange(clips),
         languages=[f"lang{k}" for k in range(languages)],
         spoken_languages=[f"spoken{s}" for s in range(spoken)],
     )

