@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks
-from ._kernels import _TiledCrossEntropy, _UpperClamp, l2_normalize
+from . import _checks, _compat
+from ._kernels import _TiledCrossEntropy, _UpperClamp, distinct_ids, l2_normalize
 from ._param_watch import ParameterWatch
 from ._warnings import warn_at_caller
 from .distributed import all_gather_no_grad, all_gather_with_grad
@@ -107,7 +107,7 @@ def _check_logit_scale(
                 f"{name}: must be finite and in (0, {1 / MIN_TEMPERATURE:g}] (1/temperature, "
                 f"with the temperature floor {MIN_TEMPERATURE:g}), got {value}"
             )
-    if is_scale and not torch.compiler.is_compiling():
+    if is_scale and not _compat.is_compiling():
         _warn_scale_habits(logit_scale, value, name)
     return logit_scale
 
@@ -420,7 +420,7 @@ def _tiled_info_nce_rows(
     log-sum-exp completed across ranks in the kernel, so only the text is gathered and no
     ``(b, N)`` logits exist."""
     b = a.shape[0]
-    col_ids = None if ids is None else _gather_no_grad(ids, gather, validate)
+    col_ids = None if ids is None else distinct_ids(ids, _gather_no_grad(ids, gather, validate))
     a2t, t2a = _TiledCrossEntropy.apply(
         a, t_all[None], offset, ids, col_ids, None, None, chunk_size, (offset, offset + b), gather
     )
@@ -537,7 +537,7 @@ class _TemperatureMixin(_LossSettings):
         read per change, noticed by the buffer's identity and version counter, in eager
         mode only)."""
         buffer = self.log_logit_scale
-        if torch.compiler.is_compiling() or _stamp(buffer) == self._fixed_stamp:
+        if _compat.is_compiling() or _stamp(buffer) == self._fixed_stamp:
             return self._fixed
         if buffer.device.type != "meta":
             # the same value as ours, once both are rounded to the buffer's dtype or to

@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _compat
+
 __all__ = [
     "all_gather_no_grad",
     "all_gather_with_grad",
@@ -92,7 +94,7 @@ def counted_call(forward: _F) -> _F:
 
     @functools.wraps(forward)
     def counted(self: object, *args: typing.Any, **kwargs: typing.Any) -> typing.Any:
-        if torch.compiler.is_compiling() or not is_distributed():
+        if _compat.is_compiling() or not is_distributed():
             return forward(self, *args, **kwargs)
         token = _CALL.set([self, 0])
         try:

@@ -34,7 +34,7 @@ from ._common import (
     _tile_width,
     _value_dtype,
 )
-from ._kernels import _TiledSigmoid
+from ._kernels import _TiledSigmoid, distinct_ids
 from ._param_watch import ParameterWatch
 from .distributed import counted_call, resolve_gather, validate_together
 
@@ -176,7 +176,8 @@ def siglip(
         per_row = pairs.sum(dim=1) if reduction == "none" else pairs
     else:
         s_t, b_t = (_as_tensor(v, a).to(a.dtype) for v in (scale, bias))
-        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, ids_all, chunk)
+        col_ids = distinct_ids(ids, ids_all)
+        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, col_ids, chunk)
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
     if not return_terms:

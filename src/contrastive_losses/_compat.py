@@ -1,0 +1,50 @@
+"""What differs between the torch releases the package admits: one place for the shims,
+and for the refusals, each naming the torch version and what to do.
+
+The measured matrix (which release ran what, with which result) is in the docs, page
+"Supported versions".
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# The oldest torch whose whole test suite passed (docs: "Supported versions").
+MIN_TORCH = (2, 1)
+# The oldest torch under which dynamo traces every loss with fullgraph=True (older ones
+# cannot trace the losses' context managers, e.g. distributed.validate_together).
+MIN_TORCH_COMPILE = (2, 7)
+
+
+def torch_version(version: str | None = None) -> tuple[int, int, int]:
+    """``(major, minor, patch)`` of ``version`` (default: the running torch), local and
+    pre-release tags dropped: ``"2.11.0+cu130"`` and ``"2.12.0a0"`` give ``(2, 11, 0)``
+    and ``(2, 12, 0)``."""
+    text = torch.__version__ if version is None else version
+    parts = [int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3]] + [0, 0]
+    return parts[0], parts[1], parts[2]
+
+
+TORCH = torch_version()
+
+if hasattr(torch.compiler, "is_compiling"):  # torch >= 2.3
+    is_compiling = torch.compiler.is_compiling
+else:  # torch 2.1, 2.2: the same flag, under dynamo's name
+    from torch._dynamo import is_compiling as is_compiling  # type: ignore[attr-defined,no-redef]
+
+
+def check_compile_supported() -> None:
+    """Raise while dynamo traces a loss on a torch too old to trace it whole.
+
+    Called where tracing starts (the value-check switch every loss resolves first), so
+    the error names the version instead of an ``Unsupported`` from deep inside dynamo.
+    """
+    if TORCH[:2] < MIN_TORCH_COMPILE and is_compiling():
+        raise RuntimeError(
+            f"contrastive_losses under torch.compile needs torch>="
+            f"{MIN_TORCH_COMPILE[0]}.{MIN_TORCH_COMPILE[1]}; this is torch {torch.__version__}, "
+            "whose dynamo cannot trace the losses (docs: 'Supported versions'). Run the "
+            "loss eager (outside the compiled region) or upgrade torch."
+        )
