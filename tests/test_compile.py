@@ -29,6 +29,7 @@ from contrastive_losses import (
     RadiusPredictor,
     SigLIPLoss,
     SupportVectorRegularizer,
+    _compat,
 )
 from contrastive_losses import functional as CF
 from contrastive_losses._kernels import (
@@ -194,6 +195,11 @@ def test_fullgraph_compiles_and_matches_eager(name: str) -> None:
     torch._dynamo.reset()
     eager_loss, compiled_loss = _build(name), _build(name)
     compiled = torch.compile(compiled_loss, fullgraph=True, backend="aot_eager")
+    if _compat.TORCH[:2] < _compat.MIN_TORCH_COMPILE:  # refused, naming the version
+        args, kwargs = _inputs(name, 8)
+        with pytest.raises(Exception, match=r"needs torch>=2\.\d+; this is torch"):
+            _step(compiled, compiled_loss, args, kwargs)
+        return
     for b in (8, 6) if name in DYNAMIC else (8,):
         args, kwargs = _inputs(name, b, seed=b)
         eager = _step(eager_loss, eager_loss, args, kwargs)
