@@ -32,7 +32,7 @@ TORCH = torch_version()
 if hasattr(torch.compiler, "is_compiling"):  # torch >= 2.3
     is_compiling = torch.compiler.is_compiling
 else:  # torch 2.1, 2.2: the same flag, under dynamo's name
-    from torch._dynamo import is_compiling as is_compiling  # type: ignore[attr-defined,no-redef]
+    from torch._dynamo import is_compiling as is_compiling
 
 
 def check_compile_supported() -> None:
@@ -48,3 +48,20 @@ def check_compile_supported() -> None:
             "whose dynamo cannot trace the losses (docs: 'Supported versions'). Run the "
             "loss eager (outside the compiled region) or upgrade torch."
         )
+
+
+def _cpu_half_bmm() -> bool:
+    """Whether this torch has a float16 ``bmm`` on CPU (torch 2.1 has none)."""
+    try:
+        half = torch.ones(1, 1, 1, dtype=torch.float16)
+        return bool((half @ half).item() == 1)
+    except RuntimeError:
+        return False
+
+
+_CPU_HALF_BMM = _cpu_half_bmm()
+
+
+def matmul_supported(x: torch.Tensor) -> bool:
+    """Whether a batched matmul of ``x``'s dtype runs on ``x``'s device."""
+    return _CPU_HALF_BMM or x.dtype != torch.float16 or x.device.type != "cpu"

@@ -38,7 +38,10 @@ class _L2Normalize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         y, inv_norm = ctx.saved_tensors
-        radial = (grad.unsqueeze(-2) @ y.unsqueeze(-1)).squeeze(-1)  # row-wise <g, y>
+        if _compat.matmul_supported(grad):
+            radial = (grad.unsqueeze(-2) @ y.unsqueeze(-1)).squeeze(-1)  # row-wise <g, y>
+        else:  # float16 on CPU before torch 2.2 has no bmm
+            radial = (grad * y).sum(-1, keepdim=True)
         out = torch.addcmul(grad, y, radial, value=-1)
         return out.mul_(inv_norm.unsqueeze(-1)), None
 
