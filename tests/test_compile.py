@@ -13,7 +13,6 @@ numbers with eager.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -120,10 +119,10 @@ LOSSES: dict[str, Callable[[], Any]] = {
         InfoNCELoss(learnable_temperature=True, chunk_size=3), radius="static"
     ),
     "svr_fixed_cacl_chunk": lambda: SupportVectorRegularizer(CACLLoss(chunk_size=3), radius=0.2),
-    "support_vector_term_chunk": lambda: functools.partial(CF.support_vector_term, chunk_size=3),
+    "support_vector_term_chunk": lambda: _with(CF.support_vector_term, chunk_size=3),
     # several positives per row (ids), tiled: row and column ids are two kernel inputs
-    "info_nce_ids_chunk": lambda: functools.partial(CF.info_nce, ids=_IDS8, chunk_size=3),
-    "siglip_ids_chunk": lambda: functools.partial(CF.siglip, ids=_IDS8, chunk_size=3),
+    "info_nce_ids_chunk": lambda: _with(CF.info_nce, ids=_IDS8, chunk_size=3),
+    "siglip_ids_chunk": lambda: _with(CF.siglip, ids=_IDS8, chunk_size=3),
     # functional forms, dense and tiled: temperature (SigLIP: scale and bias) a leaf too
     **{
         f"{name}_fn{tag}": (lambda fn=fn, c=c: _functional(fn, c))
@@ -138,8 +137,18 @@ LOSSES: dict[str, Callable[[], Any]] = {
 }
 
 
+def _with(fn: Callable, **fixed: Any) -> Callable:
+    """``fn`` with some keywords fixed, as a closure: dynamo before torch 2.3 cannot call a
+    ``functools.partial`` object."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **fixed, **kwargs)
+
+    return call
+
+
 def _functional(fn: Callable, chunk: int | None) -> Callable:
-    return functools.partial(fn, chunk_size=chunk)
+    return _with(fn, chunk_size=chunk)
 
 
 def _kcl_functional(negatives: str, chunk: int | None) -> Callable:
@@ -249,11 +258,11 @@ FUNCTIONS: dict[str, tuple[Callable, Callable[[torch.Generator], tuple]]] = {
                  lambda g: (torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g))),
     "upper_clamp": (lambda x: _weighted(_UpperClamp.apply(x, 0.5)),
                     lambda g: (torch.randn(8, generator=g),)),
-    "tiled_ce_rows": (functools.partial(_tiled_ce, symmetric=False), lambda g: (
+    "tiled_ce_rows": (_with(_tiled_ce, symmetric=False), lambda g: (
         torch.randn(6, D, generator=g), torch.randn(2, 6, D, generator=g))),
     "tiled_ce_symmetric": (_tiled_ce, lambda g: (
         torch.randn(6, D, generator=g), torch.randn(2, 6, D, generator=g))),
-    "tiled_ce_ids_masked": (functools.partial(_tiled_ce, ids=True, masked=True), lambda g: (
+    "tiled_ce_ids_masked": (_with(_tiled_ce, ids=True, masked=True), lambda g: (
         torch.randn(6, D, generator=g), torch.randn(2, 6, D, generator=g))),
     "tiled_ce_per_problem_rows": (_tiled_ce, lambda g: (
         torch.randn(2, 6, D, generator=g), torch.randn(2, 6, D, generator=g))),

@@ -38,16 +38,34 @@ else:  # torch 2.1, 2.2: the same flag, under dynamo's name
 def check_compile_supported() -> None:
     """Raise while dynamo traces a loss on a torch too old to trace it whole.
 
-    Called where tracing starts (the value-check switch every loss resolves first), so
-    the error names the version instead of an ``Unsupported`` from deep inside dynamo.
+    Called where each loss starts (a Module's forward, a functional form's first check),
+    so the error names the version instead of an ``Unsupported`` from deep inside dynamo.
     """
     if TORCH[:2] < MIN_TORCH_COMPILE and is_compiling():
-        raise RuntimeError(
-            f"contrastive_losses under torch.compile needs torch>="
-            f"{MIN_TORCH_COMPILE[0]}.{MIN_TORCH_COMPILE[1]}; this is torch {torch.__version__}, "
-            "whose dynamo cannot trace the losses (docs: 'Supported versions'). Run the "
-            "loss eager (outside the compiled region) or upgrade torch."
-        )
+        _refuse_compile()
+
+
+def _compile_refusal() -> str:
+    return (
+        f"contrastive_losses under torch.compile needs torch>="
+        f"{MIN_TORCH_COMPILE[0]}.{MIN_TORCH_COMPILE[1]}; this is torch {torch.__version__}, "
+        "whose dynamo cannot trace the losses (docs: 'Supported versions'). Run the "
+        "loss eager (outside the compiled region) or upgrade torch."
+    )
+
+
+def _raise_compile_refusal() -> bool:
+    raise RuntimeError(_compile_refusal())
+
+
+if TORCH[:2] < MIN_TORCH_COMPILE:
+    import torch._dynamo
+
+    # run for real while dynamo traces (not traced), so the message reaches the user:
+    # a traced raise reaches them as "call_function BuiltinVariable(RuntimeError)"
+    _refuse_compile = torch._dynamo.assume_constant_result(_raise_compile_refusal)
+else:
+    _refuse_compile = _raise_compile_refusal
 
 
 def _cpu_half_bmm() -> bool:

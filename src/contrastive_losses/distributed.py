@@ -94,6 +94,7 @@ def counted_call(forward: _F) -> _F:
 
     @functools.wraps(forward)
     def counted(self: object, *args: typing.Any, **kwargs: typing.Any) -> typing.Any:
+        _compat.check_compile_supported()  # first: a too-old dynamo fails further in
         if _compat.is_compiling() or not is_distributed():
             return forward(self, *args, **kwargs)
         token = _CALL.set([self, 0])
