@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import re
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +76,21 @@ def test_state_dict_round_trip(name: str) -> None:
         torch.testing.assert_close(loaded[key], saved[key], rtol=0, atol=0, msg=key)
     args, kwargs = _inputs(name, 8)
     torch.testing.assert_close(fresh(*args, **kwargs), loss_fn(*args, **kwargs))
+
+
+def test_the_floors_are_stated_alike_everywhere() -> None:
+    """pyproject's torch and numpy floors are the ones the compat stage installs first, and
+    README and the docs name them and the compile floor."""
+    root = Path(__file__).resolve().parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = "{}.{}".format(*_compat.MIN_TORCH)
+    assert f"torch>={floor}" in deps
+    numpy_floor = next(d for d in deps if d.startswith("numpy>=")).removeprefix("numpy>=")
+    compat = (root / ".ci" / "compat").read_text()
+    assert re.search(
+        rf'^    "{re.escape(floor)}\.\d+" "numpy=={re.escape(numpy_floor)}\.\d+"$', compat, re.M
+    )
+    compile_floor = "torch>={}.{}".format(*_compat.MIN_TORCH_COMPILE)
+    for page in ("README.md", "docs/index.rst", "docs/versions.rst"):
+        text = " ".join((root / page).read_text().split())
+        assert f"torch>={floor}" in text and compile_floor in text, page
