@@ -11,7 +11,8 @@ import re
 
 import torch
 
-# The oldest torch whose whole test suite passed (docs: "Supported versions").
+# The floor: the oldest torch on which the compat subset passed (every loss eager, dense
+# and tiled; docs: "Supported versions", which says what of the whole suite did not).
 MIN_TORCH = (2, 1)
 # The oldest torch under which dynamo traces every loss with fullgraph=True (older ones
 # cannot trace the losses' context managers, e.g. distributed.validate_together).
