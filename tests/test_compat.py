@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_compile import LOSSES, _build, _inputs
 
-from contrastive_losses import InfoNCELoss, _compat
+from contrastive_losses import InfoNCELoss, SupportVectorRegularizer, _compat
 from contrastive_losses import functional as CF
 
 
@@ -94,3 +94,14 @@ def test_the_floors_are_stated_alike_everywhere() -> None:
     for page in ("README.md", "docs/index.rst", "docs/versions.rst"):
         text = " ".join((root / page).read_text().split())
         assert f"torch>={floor}" in text and compile_floor in text, page
+
+
+def test_compile_of_the_regulariser_is_refused_below_its_own_floor(monkeypatch) -> None:
+    """torch 2.7 and 2.8 compile the bases but not SupportVectorRegularizer (simulated)."""
+    monkeypatch.setattr(_compat, "TORCH", (2, 8, 0))
+    monkeypatch.setattr(_compat, "is_compiling", lambda: True)
+    a, t = torch.randn(4, 8), torch.randn(4, 8)
+    assert torch.isfinite(InfoNCELoss()(a, t))
+    want = r"SupportVectorRegularizer under torch.compile needs torch>=2\.11; this is torch "
+    with pytest.raises(RuntimeError, match=want + re.escape(torch.__version__)):
+        SupportVectorRegularizer(InfoNCELoss(), radius=0.2)(a, t)

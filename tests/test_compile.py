@@ -204,7 +204,9 @@ def test_fullgraph_compiles_and_matches_eager(name: str) -> None:
     torch._dynamo.reset()
     eager_loss, compiled_loss = _build(name), _build(name)
     compiled = torch.compile(compiled_loss, fullgraph=True, backend="aot_eager")
-    if _compat.TORCH[:2] < _compat.MIN_TORCH_COMPILE:  # refused, naming the version
+    svr = isinstance(compiled_loss, SupportVectorRegularizer)
+    minimum = _compat.MIN_TORCH_COMPILE_SVR if svr else _compat.MIN_TORCH_COMPILE
+    if _compat.TORCH[:2] < minimum:  # refused, naming the version
         args, kwargs = _inputs(name, 8)
         with pytest.raises(Exception, match=r"needs torch>=2\.\d+; this is torch"):
             _step(compiled, compiled_loss, args, kwargs)
@@ -347,8 +349,11 @@ def test_static_checks_still_raise_under_compile() -> None:
     """A failing static check is traced: without fullgraph it raises its ValueError; with
     fullgraph dynamo reports it as Unsupported, carrying the ValueError's message."""
     a, t = torch.randn(8, D), torch.randn(7, D)
-    if _compat.TORCH[:2] < _compat.MIN_TORCH_COMPILE:
-        pytest.skip(f"torch {torch.__version__}: compile is refused (test_compat)")
+    if _compat.TORCH[:2] < (2, 11):
+        pytest.skip(
+            f"torch {torch.__version__}: compile is refused (below 2.7), or dynamo reports the "
+            "error without the ValueError's text (2.8 measured; 2.11 carries it)"
+        )
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="text: batch size B 7 does not match audio's 8"):
         torch.compile(InfoNCELoss(), backend="aot_eager")(a, t)

@@ -17,6 +17,9 @@ MIN_TORCH = (2, 1)
 # The oldest torch under which dynamo traces every loss with fullgraph=True (older ones
 # cannot trace the losses' context managers, e.g. distributed.validate_together).
 MIN_TORCH_COMPILE = (2, 7)
+# SupportVectorRegularizer's checks: dynamo 2.7 and 2.8 fail on them ("Graph break under
+# GenericContextWrappingVariable"); 2.11 is the oldest measured to trace it (2.9, 2.10 not run).
+MIN_TORCH_COMPILE_SVR = (2, 11)
 
 
 def torch_version(version: str | None = None) -> tuple[int, int, int]:
@@ -36,30 +39,32 @@ else:  # torch 2.1, 2.2: the same flag, under dynamo's name
     from torch._dynamo import is_compiling as is_compiling
 
 
-def check_compile_supported() -> None:
-    """Raise while dynamo traces a loss on a torch too old to trace it whole.
+def check_compile_supported(
+    minimum: tuple[int, int] = MIN_TORCH_COMPILE, what: str = "contrastive_losses"
+) -> None:
+    """Raise while dynamo traces ``what`` on a torch older than ``minimum``, the oldest
+    measured to trace it whole.
 
     Called where each loss starts (a Module's forward, a functional form's first check),
     so the error names the version instead of an ``Unsupported`` from deep inside dynamo.
     """
-    if TORCH[:2] < MIN_TORCH_COMPILE and is_compiling():
-        _refuse_compile()
+    if TORCH[:2] < minimum and is_compiling():
+        _refuse_compile(_compile_refusal(minimum, what))
 
 
-def _compile_refusal() -> str:
+def _compile_refusal(minimum: tuple[int, int], what: str) -> str:
     return (
-        f"contrastive_losses under torch.compile needs torch>="
-        f"{MIN_TORCH_COMPILE[0]}.{MIN_TORCH_COMPILE[1]}; this is torch {torch.__version__}, "
-        "whose dynamo cannot trace the losses (docs: 'Supported versions'). Run the "
-        "loss eager (outside the compiled region) or upgrade torch."
+        f"{what} under torch.compile needs torch>={minimum[0]}.{minimum[1]}; this is torch "
+        f"{torch.__version__}, whose dynamo cannot trace it (docs: 'Supported versions'). "
+        "Run the loss eager (outside the compiled region) or upgrade torch."
     )
 
 
-def _raise_compile_refusal() -> bool:
-    raise RuntimeError(_compile_refusal())
+def _raise_compile_refusal(message: str) -> bool:
+    raise RuntimeError(message)
 
 
-if TORCH[:2] < MIN_TORCH_COMPILE:
+if TORCH[:2] < max(MIN_TORCH_COMPILE, MIN_TORCH_COMPILE_SVR):  # some refusal may fire
     import torch._dynamo
 
     # run for real while dynamo traces (not traced), so the message reaches the user:

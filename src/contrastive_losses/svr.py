@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks
+from . import _checks, _compat
 from ._common import (
     _Batch,
     _batch,
@@ -834,6 +834,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             base_loss = self.base(*args, **model_scale, **kwargs)
         pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
         validate = _checks.resolve_validate(self.validate_args)
+        _compat.check_compile_supported(_compat.MIN_TORCH_COMPILE_SVR, "SupportVectorRegularizer")
         temperature = self._detached_temperature(logit_scale)
         # in float32 as documented, also under torch.autocast (open_clip's trainer calls
         # its loss inside one), which would run the SVR's matmuls and predictor in float16
