@@ -49,7 +49,7 @@ def check_compile_supported(
     so the error names the version instead of an ``Unsupported`` from deep inside dynamo.
     """
     if TORCH[:2] < minimum and is_compiling():
-        _refuse_compile(_compile_refusal(minimum, what))
+        _refuse_compile(minimum, what)
 
 
 def _compile_refusal(minimum: tuple[int, int], what: str) -> str:
@@ -60,8 +60,9 @@ def _compile_refusal(minimum: tuple[int, int], what: str) -> str:
     )
 
 
-def _raise_compile_refusal(message: str) -> bool:
-    raise RuntimeError(message)
+def _raise_compile_refusal(minimum: tuple[int, int], what: str) -> bool:
+    # the message is built here, untraced: dynamo 2.3 cannot format torch.__version__
+    raise RuntimeError(_compile_refusal(minimum, what))
 
 
 if TORCH[:2] < max(MIN_TORCH_COMPILE, MIN_TORCH_COMPILE_SVR):  # some refusal may fire
