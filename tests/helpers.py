@@ -35,10 +35,9 @@ def random_mask(gen: torch.Generator, b: int, k: int, p: float = 0.7) -> torch.T
 
 def init_gloo(rank: int, world: int, init_method: str, timeout_s: float | None = None) -> None:
     """``init_process_group("gloo")`` in a worker of :func:`spawn_ranks`."""
-    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timeout
-    )
+    # no timeout argument unless given: torch 2.1 refuses timeout=None
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, **timeout)
 
 
 def spawn_ranks(

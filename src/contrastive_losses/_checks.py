@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import _compat
+
 REDUCTIONS = ("mean", "sum", "none")
 
 # The gradient through x / ||x|| is the upstream gradient divided by ||x||: norms below
@@ -63,7 +65,8 @@ def resolve_validate(validate_args: bool | None) -> bool:
         validate = validate_args
     else:
         raise TypeError(f"validate_args: expected None, True or False, got {validate_args!r}")
-    return validate and not torch.compiler.is_compiling()
+    _compat.check_compile_supported()
+    return validate and not _compat.is_compiling()
 
 
 def shape_of(x: Tensor) -> str:

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks
-from ._kernels import _TiledCrossEntropy, _UpperClamp, l2_normalize
+from . import _checks, _compat
+from ._kernels import _TiledCrossEntropy, _UpperClamp, distinct_ids, l2_normalize
 from ._param_watch import ParameterWatch
 from ._warnings import told, warn_at_caller
 from .distributed import all_gather_no_grad, all_gather_with_grad
@@ -63,7 +63,7 @@ def _warn_logit_scale_habit(temperature: float, name: str = "temperature") -> No
     """Warn, once per calling line, when a float temperature is above 1/2: above 1 open_clip
     and Hugging Face users pass the logit scale 1/temperature (100, 14.3), which makes
     every loss about log B; between 1/2 and 1 the scale is below any CLIP/CLAP recipe's."""
-    if temperature * MIN_PLAUSIBLE_SCALE <= 1 or torch.compiler.is_compiling():
+    if temperature * MIN_PLAUSIBLE_SCALE <= 1 or _compat.is_compiling():
         return
     if temperature > 1:
         message = (
@@ -122,7 +122,7 @@ def _check_logit_scale(
                 f"{name}: must be finite and in (0, {1 / MIN_TEMPERATURE:g}] (1/temperature, "
                 f"with the temperature floor {MIN_TEMPERATURE:g}), got {value}"
             )
-    if is_scale and not torch.compiler.is_compiling():
+    if is_scale and not _compat.is_compiling():
         _warn_scale_habits(logit_scale, value, name)
     return logit_scale
 
@@ -475,7 +475,7 @@ def _tiled_info_nce_rows(
     log-sum-exp completed across ranks in the kernel, so only the text is gathered and no
     ``(b, N)`` logits exist."""
     b = a.shape[0]
-    col_ids = None if ids is None else _gather_no_grad(ids, gather, validate)
+    col_ids = None if ids is None else distinct_ids(ids, _gather_no_grad(ids, gather, validate))
     a2t, t2a = _TiledCrossEntropy.apply(
         a, t_all[None], offset, ids, col_ids, None, None, chunk_size, (offset, offset + b), gather
     )
@@ -593,7 +593,7 @@ class _TemperatureMixin(_LossSettings):
         read per change, noticed by the buffer's identity and version counter, in eager
         mode only)."""
         buffer = self.log_logit_scale
-        if torch.compiler.is_compiling() or _stamp(buffer) == self._fixed_stamp:
+        if _compat.is_compiling() or _stamp(buffer) == self._fixed_stamp:
             return self._fixed
         log = _written_value(buffer, math.log(1.0 / self._fixed))
         if log is not None:
@@ -692,7 +692,7 @@ def _habit_told(temperature: float | Tensor) -> bool:
     """Whether a Module's fixed float ``temperature`` warned when the Module was built
     (:func:`_warn_logit_scale_habit`), so its calls must not warn again; never read
     while ``torch.compile`` traces (no guard on the value)."""
-    if torch.compiler.is_compiling() or isinstance(temperature, Tensor):
+    if _compat.is_compiling() or isinstance(temperature, Tensor):
         return False
     return temperature * MIN_PLAUSIBLE_SCALE > 1
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _compat
 
 
 class _L2Normalize(torch.autograd.Function):
@@ -32,12 +32,16 @@ class _L2Normalize(torch.autograd.Function):
     def forward(ctx, x: Tensor, inv_norm: Tensor) -> Tensor:
         y = x * inv_norm.unsqueeze(-1)
         ctx.save_for_backward(y, inv_norm)
+        # y is this op's own out-of-place result (saving an output is fine), not an alias
         return y
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         y, inv_norm = ctx.saved_tensors
-        radial = (grad.unsqueeze(-2) @ y.unsqueeze(-1)).squeeze(-1)  # row-wise <g, y>
+        if _compat.matmul_supported(grad):
+            radial = (grad.unsqueeze(-2) @ y.unsqueeze(-1)).squeeze(-1)  # row-wise <g, y>
+        else:  # float16 on CPU before torch 2.2 has no bmm
+            radial = (grad * y).sum(-1, keepdim=True)
         out = torch.addcmul(grad, y, radial, value=-1)
         return out.mul_(inv_norm.unsqueeze(-1)), None
 
@@ -67,7 +71,9 @@ class _NormalizedRowsMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, inv_norm: Tensor, y: Tensor) -> Tensor:
-        scores = (x @ y.T).mul_(inv_norm.unsqueeze(-1))  # (M, N)
+        # out of place: an output mutated in place gets zero gradients under torch
+        # 2.11's compile (pytorch#180642)
+        scores = (x @ y.T) * inv_norm.unsqueeze(-1)  # (M, N)
         ctx.save_for_backward(x, inv_norm, y, scores)
         return scores
 
@@ -237,7 +243,7 @@ def _tile_logits(xc: Tensor, yt: Tensor) -> Tensor:
     ``(Q, b, D)``. A shared ``xc`` takes one GEMM, ``(b, D) @ (D, Q*c)``, viewed as
     ``(Q, b, c)``: ``matmul``'s broadcasting computes the transposed product and copies
     it, a pass over the tile that cost as much as the GEMM itself."""
-    if xc.dim() == 3 or torch.compiler.is_compiling():
+    if xc.dim() == 3 or _compat.is_compiling():
         # traced, the in-place ops on the tile cannot replay through the transposed view;
         # the compiler picks its own layout
         return xc @ yt.mT
@@ -378,7 +384,9 @@ class _TiledCrossEntropy(torch.autograd.Function):
             col_valid,
         )
         ctx.meta = (offset, chunk, columns, gathered, compute)
-        return row_loss.to(x.dtype), col_loss.to(x.dtype)
+        # a fresh tensor, not an intermediate or one mutated in place: torch 2.11's compile
+        # routes such an output's gradient to the wrong slot (zeros; pytorch#180642)
+        return row_loss.to(x.dtype, copy=True), col_loss.to(x.dtype, copy=True)
 
     @staticmethod
     def backward(ctx: Any, g_row: Tensor, g_col: Tensor) -> tuple[Any, ...]:
@@ -473,7 +481,9 @@ class _TiledSigmoid(torch.autograd.Function):
             out += torch.nn.functional.softplus(logits).sum(-1)
         ctx.save_for_backward(x, y, scale, bias, row_ids, col_ids)
         ctx.meta = (offset, chunk, compute)
-        return out.to(x.dtype)
+        # a fresh tensor, not an intermediate or one mutated in place: torch 2.11's compile
+        # routes such an output's gradient to the wrong slot (zeros; pytorch#180642)
+        return out.to(x.dtype, copy=True)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
@@ -504,6 +514,12 @@ class _TiledSigmoid(torch.autograd.Function):
             None,
             None,
         )
+
+
+def distinct_ids(row_ids: Tensor | None, col_ids: Tensor | None) -> Tensor | None:
+    """``col_ids``, copied when it is ``row_ids`` itself (ungathered): dynamo refuses one
+    tensor passed as two inputs of an autograd.Function (fullgraph fails)."""
+    return col_ids.clone() if col_ids is not None and col_ids is row_ids else col_ids
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

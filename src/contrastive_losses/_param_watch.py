@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _checks, _optimizer_steps
+from . import _checks, _compat, _optimizer_steps
 from ._warnings import warn_at_caller
 
 
@@ -102,7 +102,7 @@ class ParameterWatch:
     def rearm(self, owner: nn.Module, params: list[nn.Parameter], labels: list[str]) -> None:
         """:meth:`arm` again where the watched parameters are no longer ``params`` (a
         deep copy, ``load_state_dict(assign=True)``); eager only (a cheap identity test)."""
-        if torch.compiler.is_compiling() or self.done:  # traced: read nothing (no guard)
+        if _compat.is_compiling() or self.done:  # traced: read nothing (no guard)
             return
         current = [p for p in params if p.requires_grad]
         if len(current) != len(self._params) or any(

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _compat
+
 __all__ = [
     "all_gather_no_grad",
     "all_gather_with_grad",
@@ -98,7 +100,8 @@ def counted_call(forward: _F) -> _F:
 
     @functools.wraps(forward)
     def counted(self: object, *args: typing.Any, **kwargs: typing.Any) -> typing.Any:
-        if torch.compiler.is_compiling() or not is_distributed():
+        _compat.check_compile_supported()  # first: a too-old dynamo fails further in
+        if _compat.is_compiling() or not is_distributed():
             return forward(self, *args, **kwargs)
         token = _CALL.set([self, 0])
         try:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks
+from . import _checks, _compat
 from ._common import (
     MIN_PLAUSIBLE_SCALE,
     MIN_TEMPERATURE,
@@ -35,7 +35,7 @@ from ._common import (
     _tile_width,
     _value_dtype,
 )
-from ._kernels import _TiledSigmoid
+from ._kernels import _TiledSigmoid, distinct_ids
 from ._param_watch import ParameterWatch
 from ._warnings import warn_at_caller
 from .distributed import counted_call, resolve_gather, validate_together
@@ -61,7 +61,7 @@ def _warn_low_scale(value: float, name: str) -> None:
     """Warn, once per calling line, about a float scale below
     :data:`~contrastive_losses._common.MIN_PLAUSIBLE_SCALE` (a learnable scale that falls
     there in training is not warned about: a tensor is not read for this)."""
-    if value >= MIN_PLAUSIBLE_SCALE or torch.compiler.is_compiling():
+    if value >= MIN_PLAUSIBLE_SCALE or _compat.is_compiling():
         return
     warn_at_caller(
         "logit_scale below 2",
@@ -197,7 +197,8 @@ def siglip(
         per_row = pairs.sum(dim=1) if reduction == "none" else pairs
     else:
         s_t, b_t = (_as_tensor(v, a).to(a.dtype) for v in (scale, bias))
-        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, ids_all, chunk)
+        col_ids = distinct_ids(ids, ids_all)
+        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, col_ids, chunk)
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
     if not return_terms:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks
+from . import _checks, _compat
 from ._common import (
     _Batch,
     _batch,
@@ -841,6 +841,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             base_loss = self.base(*args, **model_scale, **kwargs)
         pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
         validate = _checks.resolve_validate(self.validate_args)
+        _compat.check_compile_supported(_compat.MIN_TORCH_COMPILE_SVR, "SupportVectorRegularizer")
         temperature = self._detached_temperature(logit_scale)
         # in float32 as documented, also under torch.autocast (open_clip's trainer calls
         # its loss inside one), which would run the SVR's matmuls and predictor in float16
@@ -1022,7 +1023,7 @@ def _scalar_radius(svr: SupportVectorRegularizer, like: Tensor) -> Tensor:
     if kept is None:  # pickled before the float was kept
         kept = svr._radius_value = float(buffer)
         svr._radius_stamp = _stamp(buffer)
-    elif not torch.compiler.is_compiling() and _stamp(buffer) != svr._radius_stamp:
+    elif not _compat.is_compiling() and _stamp(buffer) != svr._radius_stamp:
         written = _written_value(buffer, kept)
         svr._radius_value = kept = kept if written is None else written
         svr._radius_stamp = _stamp(buffer)
