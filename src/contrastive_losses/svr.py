@@ -842,7 +842,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         pairs = cast(Callable[..., list[Any]], self.base.contrastive_pairs)(*args, **kwargs)
         validate = _checks.resolve_validate(self.validate_args)
         _compat.check_compile_supported(_compat.MIN_TORCH_COMPILE_SVR, "SupportVectorRegularizer")
-        temperature = self._detached_temperature(logit_scale)
+        temperature = _detached_temperature(self, logit_scale)
         # in float32 as documented, also under torch.autocast (open_clip's trainer calls
         # its loss inside one), which would run the SVR's matmuls and predictor in float16
         with torch.autocast(base_loss.device.type, enabled=False):
@@ -902,7 +902,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         ``(Q, b, N)`` similarity tensors.
         """
         if temperature is None:
-            temperature = self._detached_temperature()
+            temperature = _detached_temperature(self)
         normalize = bool(getattr(self.base, "normalize", True))
         enabled = resolve_gather(getattr(self.base, "gather", None))
         chunk_size = getattr(self.base, "chunk_size", None)
@@ -958,18 +958,6 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
         )
 
-    def _detached_temperature(self, logit_scale: Tensor | None = None) -> Tensor | float:
-        """The SVR temperature: the override, else ``1/logit_scale`` (the model's), else
-        the base's (a fixed one as the Python float it was given, exact in float64, as the
-        base uses it); detached, so a learnable one learns from the base only."""
-        if self.svr_temperature is None and logit_scale is not None:
-            return 1.0 / logit_scale.detach()
-        fixed = getattr(self.base, "_fixed_value", None)
-        if self.svr_temperature is None and callable(fixed) and not self.base.learnable_temperature:
-            return cast(float, fixed())
-        temperature = self.temperature
-        return temperature.detach() if isinstance(temperature, Tensor) else temperature
-
     def _regularise_tiled(
         self,
         pairs: list[Any],
@@ -1010,6 +998,21 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         return _anchor_means(
             rows, con, radius, dist, slope, row_mask, col_mask, batch, self.direction
         )
+
+
+def _detached_temperature(
+    svr: SupportVectorRegularizer, logit_scale: Tensor | None = None
+) -> Tensor | float:
+    """The SVR temperature: the override, else ``1/logit_scale`` (the model's), else the
+    base's (a fixed one as the Python float it was given, exact in float64, as the base
+    uses it); detached, so a learnable one learns from the base only."""
+    if svr.svr_temperature is None and logit_scale is not None:
+        return 1.0 / logit_scale.detach()
+    fixed = getattr(svr.base, "_fixed_value", None)
+    if svr.svr_temperature is None and callable(fixed) and not svr.base.learnable_temperature:
+        return cast(float, fixed())
+    temperature = svr.temperature
+    return temperature.detach() if isinstance(temperature, Tensor) else temperature
 
 
 def _scalar_radius(svr: SupportVectorRegularizer, like: Tensor) -> Tensor:
