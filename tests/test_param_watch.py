@@ -114,11 +114,17 @@ def test_siglip_bias_left_out_while_the_scale_trains_warns_naming_the_bias():
     assert len(record) == 1, [str(w.message) for w in record]
     message = str(record[0].message)
     assert "learnable bias ('bias')" in message and "log_scale" not in message
+    assert "did not hold it and" in message  # one parameter: "it", not "them"
     # the scale left out instead: named alone
     loss_fn = SigLIPLoss()
     loss_fn.stuck_after = 5
     record = _loop(loss_fn, 10, lambda enc, fn: [*enc.parameters(), fn.bias])
     assert len(record) == 1 and "learnable scale ('log_scale')" in str(record[0].message)
+    # both left out: named together, "them"
+    loss_fn = SigLIPLoss()
+    loss_fn.stuck_after = 5
+    record = _loop(loss_fn, 10, lambda enc, fn: [*enc.parameters()])
+    assert len(record) == 1 and "did not hold them and" in str(record[0].message)
 
 
 def test_an_optimizer_stepping_without_the_loss_and_another_with_it_is_silent():

@@ -619,7 +619,8 @@ def pick(captions: Sequence[Sequence[str | None]], column: Tensor) -> list[str]:
 def eval_captions(
     clips: Sequence[Clip], languages: Sequence[str], manifest: str
 ) -> tuple[list[str], list[str], int]:
-    """Flatten the test captions to ``(N, K, C)`` order: returns texts, their languages, and C.
+    """Flatten an evaluation manifest's captions to ``(N, K, C)`` order: returns texts,
+    their languages, and C.
 
     ``C`` is the smallest number of captions any clip has in any language; clips with more are
     truncated to ``C`` (the metrics need a dense ``(N, K, C, D)``). A clip missing a language
@@ -630,7 +631,8 @@ def eval_captions(
     if lacking:
         listed = ", ".join(f"{c.audio_id} lacks {lang}" for c, lang in lacking[:10])
         raise ManifestError(
-            f"{manifest}: the test manifest needs a caption in every language for every clip: "
+            f"{manifest}: an evaluation (validation or test) manifest needs a caption in "
+            "every language for every clip: "
             f"{listed}{'...' if len(lacking) > 10 else ''}"
         )
     c = min(len(clip.captions[lang]) for clip in clips for lang in langs)

@@ -45,7 +45,8 @@ from ._warnings import warn_at_caller
 
 class ParameterWatch:
     """One warning, ``message`` (``{what}``: the labels of the parameters reported,
-    ``{names}``: their names in the owner, ``{steps}``: the owner's ``stuck_after``),
+    ``{names}``: their names in the owner, ``{them}``: "it" or "them" as they are one or
+    several, ``{steps}``: the owner's ``stuck_after``),
     when parameters armed with :meth:`arm` get gradients in that many optimizer steps
     that do not hold them and never change.
 
@@ -170,7 +171,10 @@ class ParameterWatch:
         names = [n for n, p in owner.named_parameters() if any(p is q for q in params)]
         what = " and ".join(dict.fromkeys(labels))  # in order, each once
         quoted = ", ".join(f"'{n}'" for n in names)
-        message = self.message.format(what=what, names=quoted, steps=int(owner.stuck_after))
+        them = "it" if len(names) == 1 else "them"
+        message = self.message.format(
+            what=what, names=quoted, them=them, steps=int(owner.stuck_after)
+        )
         self.done = True
         warn_at_caller("stuck", message, once=False)
 

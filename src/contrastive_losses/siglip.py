@@ -308,7 +308,7 @@ class SigLIPLoss(_LossSettings):
         bias = torch.tensor(float(bias_init))
         self._watch = ParameterWatch(
             "SigLIPLoss: the learnable {what} ({names}) got gradients in {steps} optimizer "
-            "steps that did not hold them and never changed from the initial values, so "
+            "steps that did not hold {them} and never changed from the initial values, so "
             "the loss trains with them fixed. Are all the loss's parameters in the "
             "optimizer? Pass them with the model's, e.g. torch.optim.AdamW("
             "[*model.parameters(), *loss_fn.parameters()]), or build it with learnable=False"
