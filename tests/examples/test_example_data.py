@@ -180,5 +180,6 @@ def test_eval_captions_are_dense_and_complete(synthetic_data: dict[str, Path]) -
     assert c == 2 and len(texts) == len(clips) * 3 * 2
     assert langs[:6] == ["eng_Latn"] * 2 + ["fra_Latn"] * 2 + ["deu_Latn"] * 2
     train = read_manifest(synthetic_data["train"], LANGS)
-    with pytest.raises(ManifestError, match="evaluation .validation or test. manifest needs.*lacks deu_Latn"):
+    expected = r"an evaluation \(validation or test\) manifest needs .* lacks deu_Latn"
+    with pytest.raises(ManifestError, match=expected):
         eval_captions(train, LANGS, "train")
