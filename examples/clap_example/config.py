@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import safe_json
+from . import descriptors, safe_json
 from .sonar import PAPER_LANGUAGES, canonical_language
 from .towers import add_real_data_args, uses_sonar, validate_towers
 
@@ -328,12 +328,15 @@ MAX_CONFIG_BYTES = 1 << 24
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--config: {path} does not exist")
-    size = path.stat().st_size
-    if size > MAX_CONFIG_BYTES:
-        raise ValueError(f"--config {path}: {size} bytes, more than a config file holds")
-    text = path.read_text(encoding="utf-8")
+    try:  # one descriptor, checked by fstat: a FIFO named here is an error, not a hang
+        fd = descriptors.open_regular(path, "--config")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--config: {path} does not exist") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ValueError(f"--config {path}: {size} bytes, more than a config file holds")
+        text = f.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
             import yaml

@@ -268,6 +268,22 @@ def test_a_missing_manifest_still_says_it_does_not_exist(tmp_path: Path) -> None
         read_manifest(tmp_path / "m.csv", LANGS)
 
 
+@pytest.mark.parametrize("case", list(NOT_FILES))
+def test_a_config_that_is_not_a_regular_file_says_what_it_is(tmp_path: Path, case: str) -> None:
+    """``--config`` is read from the descriptor it checked: a FIFO is an error, not a hang
+    (nor "does not exist", as the old ``is_file()`` check said)."""
+    from clap_example.config import load_config_file
+
+    make, what = NOT_FILES[case]
+    path = make(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"--config {path}: {what}, not a regular")):
+        load_config_file(path)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'no.json'} does not")):
+        load_config_file(tmp_path / "no.json")
+    (tmp_path / "ok.json").write_text('{"epochs": 2}')
+    assert load_config_file(tmp_path / "ok.json") == {"epochs": 2}
+
+
 def swap_after_open(monkeypatch: pytest.MonkeyPatch, swap: Callable[[Path], None]) -> list[Path]:
     """``swap(path)`` right after ``data`` opened and checked a file: the path becomes
     something else, the descriptor stays the file that was checked."""
