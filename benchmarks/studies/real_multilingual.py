@@ -731,7 +731,12 @@ def paired_to(runs: list[dict], method: str, ref: str, key: str, scale: float = 
 
 
 def reference(method: str) -> str:
-    return "random_swap20" if method == "ask_swap20" else "random"
+    """The arm ``method`` is paired with: the baseline, or the baseline of its own setting
+    (the swapped captions; the trainable text block, so the text arms compare losses on
+    the same text side)."""
+    if method == "ask_swap20":
+        return "random_swap20"
+    return "random_text" if method in TEXT_ARMS and method != "random_text" else "random"
 
 
 def main_table(runs: list[dict], methods: tuple[str, ...], chance: dict[str, float]) -> str:
