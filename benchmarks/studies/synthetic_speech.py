@@ -11,8 +11,11 @@ train split's descriptions are ever read aloud: the validation and test descript
 eSpeak NG comes from the ``espeakng-loader`` wheel (the library and its data, ~10 MB;
 ``pip install espeakng-loader``), driven through ``ctypes`` (its synchronous API:
 ``espeak_Initialize``, ``espeak_SetSynthCallback``, ``espeak_Synth``). The features are
-cached (float16) under a key of the front end, the voices and the texts; the waves are
-not kept.
+cached (float16), one file per voice variant, under a key of the front end, the voice
+and the texts; the waves are not kept. eSpeak NG's output varies by a few samples from
+one call to the next (jitter inside the library that neither ``espeak_ng_SetRandSeed``
+nor libc's ``srand`` fixes), so synthesis is not bit-reproducible: the cached features
+are what a run used.
 """
 
 from __future__ import annotations
@@ -43,8 +46,14 @@ VOICES = {
     "ell_Grek": "el",
 }
 #: Voice variants: (eSpeak variant suffix, words per minute, pitch 0-100). The first is
-#: eSpeak's default voice of the language; the second a higher, slower "+f3" variant.
-VARIANTS: tuple[tuple[str, int, int], ...] = (("", 175, 50), ("+f3", 150, 70))
+#: eSpeak's default voice of the language, then a higher, slower "+f3", a faster, lower
+#: "+m3" and a high "+f2" (the study uses the first ``PRETRAIN_VOICES``).
+VARIANTS: tuple[tuple[str, int, int], ...] = (
+    ("", 175, 50),
+    ("+f3", 150, 70),
+    ("+m3", 200, 35),
+    ("+f2", 165, 85),
+)
 
 #: ``say(text, voice, rate, pitch) -> (wave, sample rate)``: one synthesised utterance.
 Say = Callable[[str, str, int, int], tuple[np.ndarray, int]]
@@ -122,51 +131,74 @@ class Espeak:
 
 def waves(
     utterances: Sequence[Utterance],
-    variants: Sequence[tuple[str, int, int]],
+    variant: tuple[str, int, int],
     say: Say,
     voices: dict[str, str] = VOICES,
 ) -> Iterator[np.ndarray]:
-    """16 kHz float32 waves, utterance by utterance and variant by variant; an utterance
+    """16 kHz float32 waves of ``utterances`` read in one voice ``variant``; an utterance
     eSpeak gives (almost) no sound for becomes one window of faint noise, so that the rows
-    stay aligned with ``utterances`` x ``variants``."""
+    stay aligned with ``utterances``."""
+    suffix, rate, pitch = variant
     for u in utterances:
-        for suffix, rate, pitch in variants:
-            wave, sr = say(u.text, voices[u.language] + suffix, rate, pitch)
-            wave = wave.astype(np.float32) / 32768.0
-            if len(wave) < real_data.N_FFT:
-                wave = np.random.default_rng(0).normal(0, 1e-2, real_data.N_FFT)
-            yield real_data.resample(wave, sr)
+        wave, sr = say(u.text, voices[u.language] + suffix, rate, pitch)
+        wave = wave.astype(np.float32) / 32768.0
+        if len(wave) < real_data.N_FFT:
+            wave = np.random.default_rng(0).normal(0, 1e-2, real_data.N_FFT)
+        yield real_data.resample(wave, sr)
 
 
-def cache_path(utterances: Sequence[Utterance], variants: Sequence, cache: Path) -> Path:
-    """The feature file of ``utterances`` x ``variants`` under ``cache``."""
+def cache_path(utterances: Sequence[Utterance], variant: tuple, cache: Path) -> Path:
+    """The feature file of ``utterances`` read in ``variant`` under ``cache``."""
     front = [real_data.SAMPLE_RATE, real_data.N_FFT, real_data.HOP, real_data.MELS]
     front += [real_data.FMIN, real_data.FMAX, real_data.TRIM_DB, real_data.MAX_FRAMES]
     texts = [(u.description, u.language, u.text) for u in utterances]
-    blob = json.dumps([front, sorted(VOICES.items()), list(variants), texts]).encode()
+    blob = json.dumps([front, sorted(VOICES.items()), list(variant), texts]).encode()
     return cache / f"espeak-{hashlib.sha256(blob).hexdigest()[:16]}.pt"
+
+
+def variant_features(
+    utterances: Sequence[Utterance],
+    variant: tuple[str, int, int],
+    cache: Path,
+    say: Callable[[], Say],
+    progress: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """``utterances`` read in one ``variant``: ``(U, MELS, MAX_FRAMES)`` float16 frames and
+    ``(U,)`` frame counts, cached under ``cache`` (``say()`` makes the synthesiser)."""
+    path = cache_path(utterances, variant, cache)
+    if path.is_file():
+        saved = torch.load(path)
+        return saved["audio"], saved["frames"]
+    stream = waves(utterances, variant, say())
+    audio, frames = real_data.sequences(stream, len(utterances), progress=progress)
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save({"audio": audio, "frames": frames}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return audio, frames
 
 
 def speech_features(
     clips: Sequence[Clip],
     cache: Path,
-    variants: Sequence[tuple[str, int, int]] = VARIANTS,
+    variants: Sequence[tuple[str, int, int]] = VARIANTS[:2],
     say: Say | None = None,
     progress: bool = True,
 ) -> tuple[list[Utterance], Tensor, Tensor]:
     """The training captions read aloud: ``(utterances, (U * V, MELS, MAX_FRAMES) float16
     frames, (U * V,) frame counts)``, row ``u * V + v`` utterance ``u`` in variant ``v``;
-    cached under ``cache`` (``say`` defaults to :class:`Espeak`)."""
+    cached per variant under ``cache`` (``say`` defaults to one :class:`Espeak`, made
+    only when a variant is not cached)."""
     utterances = training_utterances(clips)
-    path = cache_path(utterances, variants, cache)
-    if path.is_file():
-        saved = torch.load(path)
-        return utterances, saved["audio"], saved["frames"]
-    stream = waves(utterances, variants, say if say is not None else Espeak())
-    audio, frames = real_data.sequences(stream, len(utterances) * len(variants), progress=progress)
-    cache.mkdir(parents=True, exist_ok=True)
-    torch.save({"audio": audio, "frames": frames}, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
+    made: list[Say] = [say] if say is not None else []
+
+    def synthesiser() -> Say:
+        if not made:
+            made.append(Espeak())
+        return made[0]
+
+    per_variant = [variant_features(utterances, v, cache, synthesiser, progress) for v in variants]
+    audio = torch.stack([a for a, _ in per_variant], 1).flatten(0, 1)
+    frames = torch.stack([f for _, f in per_variant], 1).flatten()
     return utterances, audio, frames
 
 
