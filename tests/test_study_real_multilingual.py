@@ -233,3 +233,35 @@ def test_pretraining_on_synthetic_speech_is_off_by_default_and_refuses_unseen_de
     monkeypatch.setattr(study, "_SPEECH", None)
     with pytest.raises(ValueError, match="synthetic speech"):
         study.study(args, data)
+
+
+def test_load_speech_reads_the_training_captions_in_pretrain_voices(tmp_path, monkeypatch) -> None:
+    import numpy as np
+    import synthetic_speech
+
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    for split, desc in (("train", "d0"), ("val", "d1"), ("test", "d2")):
+        rows = [
+            {"audio_path": "-", "audio_id": f"{desc}-{lang}", "caption": f"{split} {lang}",
+             "language": lang, "spoken_language": "fra_Latn", "description_id": desc}
+            for lang in ("eng_Latn", "fra_Latn", "ell_Grek")
+        ]  # fmt: skip
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    clips = real_data.read_manifests(folder)
+    data = real_data.build(
+        clips, torch.zeros(len(clips), 64, 4), torch.zeros(len(clips)),
+        lambda texts: torch.randn(len(texts), 8), ("eng_Latn", "fra_Latn", "ell_Grek"),
+    )  # fmt: skip
+    asked: list[str] = []
+
+    def say(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarray, int]:
+        asked.append(voice)
+        return np.random.default_rng(0).integers(-3000, 3000, 8000).astype(np.int16), 22_050
+
+    monkeypatch.setattr(synthetic_speech, "Espeak", lambda: say)
+    monkeypatch.setattr(study, "PRETRAIN_VOICES", 3)
+    speech = study.load_speech(clips, tmp_path / "espeak", data)
+    # the one training description, in French and Greek (English has no gallery), 3 voices
+    assert sorted(asked) == sorted(v + s for v in ("fr", "el") for s in ("", "+f3", "+m3"))
+    assert len(speech.desc) == 6 and {data.descriptions[int(d)] for d in speech.desc} == {"d0"}

@@ -206,14 +206,16 @@ def as_real_data(
     utterances: Sequence[Utterance], audio: Tensor, frames: Tensor, data: RealData
 ) -> RealData:
     """The synthetic clips as a :class:`RealData` over ``data``'s descriptions and caption
-    features (every clip in the train split, none in a gallery); each clip's captions are
-    its description's captions in all of ``data``'s languages."""
+    features (every clip in the train split, none in a gallery; ``spoken`` indexes the
+    utterances' languages); each clip's captions are its description's captions in all of
+    ``data``'s languages."""
     if not data.descriptions:
         raise ValueError("data: no description ids (build it with real_data.build)")
     index = {d: i for i, d in enumerate(data.descriptions)}
     repeat = len(audio) // max(len(utterances), 1)
     desc = torch.tensor([index[u.description] for u in utterances]).repeat_interleave(repeat)
-    spoken = [data.spoken_languages.index(u.language) for u in utterances]
+    voices = sorted({u.language for u in utterances})
+    spoken = [voices.index(u.language) for u in utterances]
     n = len(desc)
     return RealData(
         audio=audio,
@@ -226,6 +228,6 @@ def as_real_data(
         gallery=torch.zeros(n, dtype=torch.bool),
         twin=torch.arange(n),
         languages=data.languages,
-        spoken_languages=data.spoken_languages,
+        spoken_languages=voices,
         descriptions=data.descriptions,
     )
