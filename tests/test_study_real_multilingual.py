@@ -190,3 +190,78 @@ def test_probe_reports_validation_and_never_reads_the_test_split(tmp_path, monke
     args.set = ["NOT_A_SETTING=1"]
     with pytest.raises(SystemExit, match="NOT_A_SETTING"):
         study.study(args, real_data.synthetic(seed=6))
+
+
+def _speech_of(data: real_data.RealData, clips: torch.Tensor) -> real_data.RealData:
+    """``clips`` of ``data`` as a set of extra training clips (a stand-in for eSpeak NG's)."""
+    n = len(clips)
+    return real_data.RealData(
+        audio=data.audio[clips].flip(-1),  # other audio, the same descriptions
+        seconds=data.seconds[clips],
+        text=data.text,
+        present=data.present,
+        desc=data.desc[clips],
+        spoken=data.spoken[clips],
+        split=torch.zeros(n, dtype=torch.long),
+        gallery=torch.zeros(n, dtype=torch.bool),
+        twin=torch.arange(n),
+        languages=data.languages,
+        spoken_languages=data.spoken_languages,
+    )
+
+
+def test_pretraining_on_synthetic_speech_is_off_by_default_and_refuses_unseen_descriptions(
+    tmp_path, monkeypatch
+) -> None:
+    _tiny(monkeypatch, EVAL_EVERY=1, PRETRAIN_EPOCHS=0)  # restored after --set changes it
+    data = real_data.synthetic(seed=7)
+    args = _args(tmp_path / "out")
+    args.probe, args.set, args.methods, args.seeds, args.epochs = True, [], "random", 1, 2
+    key = study.settings_key()
+    (plain,) = study.study(args, data)["probe"]
+    assert plain["pretrained"] is None  # off: no pretraining, the run's numbers unchanged
+    monkeypatch.setattr(study, "_SPEECH", _speech_of(data, data.indices("train")))
+    args.set = ["PRETRAIN_EPOCHS=2"]
+    (pre,) = study.study(args, data)["probe"]
+    assert study.settings_key() != key  # a pretrained run never resumes a plain one's file
+    assert 0 <= pre["pretrained"]["val_t2a_R@1"] <= 1 and pre["pretrained"]["seconds"] > 0
+    assert pre["curves"]["val_t2a"] != plain["curves"]["val_t2a"]
+    # a synthetic clip of a validation description would leak the unseen descriptions
+    monkeypatch.setattr(study, "_SPEECH", _speech_of(data, data.indices("val")[:1]))
+    with pytest.raises(ValueError, match="outside the train split"):
+        study.study(args, data)
+    monkeypatch.setattr(study, "_SPEECH", None)
+    with pytest.raises(ValueError, match="synthetic speech"):
+        study.study(args, data)
+
+
+def test_load_speech_reads_the_training_captions_in_pretrain_voices(tmp_path, monkeypatch) -> None:
+    import numpy as np
+    import synthetic_speech
+
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    for split, desc in (("train", "d0"), ("val", "d1"), ("test", "d2")):
+        rows = [
+            {"audio_path": "-", "audio_id": f"{desc}-{lang}", "caption": f"{split} {lang}",
+             "language": lang, "spoken_language": "fra_Latn", "description_id": desc}
+            for lang in ("eng_Latn", "fra_Latn", "ell_Grek")
+        ]  # fmt: skip
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    clips = real_data.read_manifests(folder)
+    data = real_data.build(
+        clips, torch.zeros(len(clips), 64, 4), torch.zeros(len(clips)),
+        lambda texts: torch.randn(len(texts), 8), ("eng_Latn", "fra_Latn", "ell_Grek"),
+    )  # fmt: skip
+    asked: list[str] = []
+
+    def say(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarray, int]:
+        asked.append(voice)
+        return np.random.default_rng(0).integers(-3000, 3000, 8000).astype(np.int16), 22_050
+
+    monkeypatch.setattr(synthetic_speech, "Espeak", lambda: say)
+    monkeypatch.setattr(study, "PRETRAIN_VOICES", 3)
+    speech = study.load_speech(clips, tmp_path / "espeak", data)
+    # the one training description, in French and Greek (English has no gallery), 3 voices
+    assert sorted(asked) == sorted(v + s for v in ("fr", "el") for s in ("", "+f3", "+m3"))
+    assert len(speech.desc) == 6 and {data.descriptions[int(d)] for d in speech.desc} == {"d0"}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,7 +64,8 @@ class RealData:
     ``gallery (N,)`` whether a val/test clip is in its split's evaluation gallery (the
     builder's ``galleries/``: one recording per description group and spoken language);
     ``twin (N,)`` the index of the clip's audio bytes (byte-identical copies share it; the
-    clip's own index where the manifests have no ``audio_sha256``).
+    clip's own index where the manifests have no ``audio_sha256``); ``descriptions`` the
+    manifests' ``description_id`` of each row of ``text`` (empty for generated data).
     """
 
     audio: Tensor
@@ -79,6 +80,7 @@ class RealData:
     languages: list[str]
     spoken_languages: list[str]
     audio_ids: list[str] = field(default_factory=list)
+    descriptions: list[str] = field(default_factory=list)
 
     def to(self, device: str | torch.device) -> RealData:
         names = ("audio", "seconds", "text", "present", "desc", "spoken", "split", "gallery")
@@ -89,6 +91,7 @@ class RealData:
             languages=self.languages,
             spoken_languages=self.spoken_languages,
             audio_ids=self.audio_ids,
+            descriptions=self.descriptions,
         )
 
     def indices(self, split: str) -> Tensor:
@@ -203,10 +206,15 @@ def trim_and_fix(mel: Tensor, frames: int = FRAMES) -> tuple[Tensor, float]:
 def read_wave(path: str) -> np.ndarray:
     """Mono float32 at 16 kHz (``soundfile`` decodes, ``scipy`` resamples)."""
     import soundfile
-    from scipy.signal import resample_poly
 
     wave, sr = soundfile.read(path, dtype="float32", always_2d=True)
-    wave = wave.mean(axis=1)
+    return resample(wave.mean(axis=1), sr)
+
+
+def resample(wave: np.ndarray, sr: int) -> np.ndarray:
+    """A mono wave at ``sr`` Hz as float32 at ``SAMPLE_RATE`` (``scipy``'s polyphase)."""
+    from scipy.signal import resample_poly
+
     g = math.gcd(sr, SAMPLE_RATE)
     return resample_poly(wave, SAMPLE_RATE // g, sr // g).astype(np.float32)
 
@@ -237,19 +245,29 @@ def sequence_features(
     if path.is_file():
         saved = torch.load(path)
         return saved["audio"], saved["frames"]
+    waves = (read_wave(clip.audio_path) for clip in clips)
+    audio, frames = sequences(waves, len(clips), max_frames, progress)
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save({"audio": audio, "frames": frames}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return audio, frames
+
+
+def sequences(
+    waves: Iterable[np.ndarray], n: int, max_frames: int = MAX_FRAMES, progress: bool = True
+) -> tuple[Tensor, Tensor]:
+    """:func:`sequence_features`' front end on ``n`` 16 kHz waves: ``(n, MELS, max_frames)``
+    float16 trimmed log-mel frames (zero after) and ``(n,)`` frame counts (not capped)."""
     filters = mel_filterbank()
-    audio = torch.zeros(len(clips), MELS, max_frames, dtype=torch.float16)
-    frames = torch.zeros(len(clips), dtype=torch.long)
-    for i, clip in enumerate(clips):
-        mel = trimmed(log_mel(read_wave(clip.audio_path), filters))
+    audio = torch.zeros(n, MELS, max_frames, dtype=torch.float16)
+    frames = torch.zeros(n, dtype=torch.long)
+    for i, wave in enumerate(waves):
+        mel = trimmed(log_mel(wave, filters))
         frames[i] = len(mel)
         mel = mel[:max_frames]
         audio[i, :, : len(mel)] = mel.T.half()
         if progress and (i + 1) % 500 == 0:
-            print(f"  sequence features {i + 1}/{len(clips)}", flush=True)
-    cache.mkdir(parents=True, exist_ok=True)
-    torch.save({"audio": audio, "frames": frames}, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
+            print(f"  sequence features {i + 1}/{n}", flush=True)
     return audio, frames
 
 
@@ -322,6 +340,7 @@ def build(
         languages=list(languages),
         spoken_languages=spoken,
         audio_ids=[c.audio_id for c in clips],
+        descriptions=descriptions,
     )
 
 
