@@ -384,15 +384,20 @@ class Step:
             )
             self.ask = ASKLoss(self.bank, temperature=TEMPERATURE, validate_args=False)
 
-    def batch(self, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Audio embeddings, caption embeddings ``(B, K, D)``, present mask ``(B, K)``."""
+    def audio(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """Audio embeddings of training items ``idx`` (augmented in training) and the
+        descriptions whose captions they get."""
         p, dev = self.prep, self.prep.audio.device
         clips, descs = p.train[idx].to(dev), p.train_desc[idx].to(dev)
         x, steps = p.audio[clips], p.steps[clips]
         if self.augment and self.towers.training and TOWER == "conv":
             x = real_towers.spec_augment(x, steps, self.masks, *AUGMENT)
-        a = self.towers["audio"](x, steps, p.data.seconds[clips])
-        return a, self.towers["text"](p.text[descs]), p.data.present[descs]
+        return self.towers["audio"](x, steps, p.data.seconds[clips]), descs
+
+    def batch(self, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Audio embeddings, caption embeddings ``(B, K, D)``, present mask ``(B, K)``."""
+        a, descs = self.audio(idx)
+        return a, self.towers["text"](self.prep.text[descs]), self.prep.data.present[descs]
 
     def __call__(self, idx: Tensor, epoch: int) -> Tensor:
         a, t, mask = self.batch(idx)
@@ -550,6 +555,33 @@ def make_towers(prep: Prepared, method: str = "random") -> nn.ModuleDict:
     return nn.ModuleDict({"audio": audio, "text": text_head(prep.text.shape[-1], method)})
 
 
+def fit(
+    towers: nn.ModuleDict,
+    step: Step,
+    epochs: int,
+    seed: int,
+    end_epoch: Callable[[int], None] | None = None,
+) -> None:
+    """Train ``towers`` with ``step``'s loss: Adam ``LR`` (the text side x ``TEXT_LR``),
+    warm-up + cosine, batch ``BATCH``, ``epochs`` epochs in the seed's order."""
+    groups = [
+        {"params": [*towers["audio"].parameters(), *step.loss_fn.parameters()]},
+        {"params": list(towers["text"].parameters()), "lr": LR * TEXT_LR},
+    ]
+    common.train(
+        [g for g in groups if g["params"]],
+        len(step.prep.train),
+        epochs=epochs,
+        batch=BATCH,
+        seed=seed,
+        step=step,
+        start_epoch=step.refresh_bank,
+        end_epoch=end_epoch,
+        lr=LR,
+        schedule=warmup_cosine,
+    )
+
+
 def train_one(
     method: str, seed: int, epochs: int, data: RealData, device: str, test: bool = True
 ) -> dict[str, Any]:
@@ -578,22 +610,7 @@ def train_one(
             curves["epoch"].append((epoch + 1) / spec.epochs_factor)
             curves["val_t2a"].append(evaluate(towers, prep, "val")["t2a_R@1"])
 
-    groups = [
-        {"params": [*towers["audio"].parameters(), *step.loss_fn.parameters()]},
-        {"params": list(towers["text"].parameters()), "lr": LR * TEXT_LR},
-    ]
-    common.train(
-        [g for g in groups if g["params"]],
-        len(prep.train),
-        epochs=total,
-        batch=BATCH,
-        seed=seed,
-        step=step,
-        start_epoch=step.refresh_bank,
-        end_epoch=end_epoch,
-        lr=LR,
-        schedule=warmup_cosine,
-    )
+    fit(towers, step, total, seed, end_epoch)
     val = evaluate(towers, prep, "val")
     curves["epoch"].append(float(epochs))
     curves["val_t2a"].append(val["t2a_R@1"])
@@ -1217,17 +1234,21 @@ def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, A
     return {"setup": setup, **results}
 
 
-def apply_settings(assignments: list[str]) -> dict[str, Any]:
-    """``NAME=VALUE`` (a Python literal) for upper-case settings of this module."""
+def apply_settings(
+    assignments: list[str], settings: dict[str, Any] | None = None, name: str = NAME
+) -> dict[str, Any]:
+    """``NAME=VALUE`` (a Python literal) for upper-case settings of this module (or of the
+    module whose globals are ``settings``, called ``name`` in the error)."""
     import ast
 
+    space = globals() if settings is None else settings
     done = {}
     for item in assignments:
-        name, sep, value = item.partition("=")
-        if not sep or not name.isupper() or name not in globals():
-            raise SystemExit(f"--set {item!r}: expected NAME=VALUE for a setting of {NAME}")
-        done[name] = ast.literal_eval(value)
-        globals()[name] = done[name]
+        key, sep, value = item.partition("=")
+        if not sep or not key.isupper() or key not in space:
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE for a setting of {name}")
+        done[key] = ast.literal_eval(value)
+        space[key] = done[key]
     return done
 
 
