@@ -87,6 +87,8 @@ def test_packed_padded_batch_equals_each_text_alone() -> None:
     for i, r in enumerate(rows.tolist()):
         alone = states.hidden[states.offsets[r] : states.offsets[r + 1]]
         torch.testing.assert_close(out[i], _reference(layer, alone), rtol=1e-5, atol=1e-6)
+    # sorted by length in batches of 2 (each padded to its own longest): the same
+    torch.testing.assert_close(e5_layer.embed(layer, states, rows, batch=2), out)
     # gradients reach every weight
     out.sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())

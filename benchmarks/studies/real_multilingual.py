@@ -1084,7 +1084,8 @@ def plots(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> dict[str, d
 # ----------------------------------------------------------------------- main
 
 
-def extra_arguments(parser: argparse.ArgumentParser) -> None:
+def data_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--manifests``, ``--cache``, ``--text-cache`` (what :func:`load_data` reads)."""
     parser.add_argument(
         "--manifests", type=Path, help="folder of examples/data_builders/tuxpaint.py"
     )
@@ -1092,6 +1093,10 @@ def extra_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--text-cache", type=Path, help="e5 feature cache (default: clap_example.e5's own)"
     )
+
+
+def extra_arguments(parser: argparse.ArgumentParser) -> None:
+    data_arguments(parser)
     parser.add_argument("--workers", type=int, default=2, help="parallel runs on CPU")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated arms")
