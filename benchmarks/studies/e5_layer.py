@@ -119,6 +119,8 @@ class Engine:
         lib.e5_load.restype = ctypes.c_void_p
         lib.e5_load.argtypes = [ctypes.c_char_p]
         lib.e5_free.argtypes = [ctypes.c_void_p]
+        lib.e5_dim.restype = ctypes.c_int
+        lib.e5_dim.argtypes = [ctypes.c_void_p]
         lib.e5_token_count.restype = ctypes.c_int
         lib.e5_token_count.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         lib.e5_states_batch.restype = ctypes.c_int
@@ -137,17 +139,18 @@ class Engine:
         self._m = lib.e5_load(str(model_path()).encode())
         if not self._m:
             raise RuntimeError(f"e5 engine: could not load {model_path()}")
+        self.dim = int(lib.e5_dim(self._m))
 
     def states(
         self, texts: Sequence[str], layers: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(ids (T,), lens (n,), hidden (T, 384))``: the engine's tokens of ``'query: '
+        """``(ids (T,), lens (n,), hidden (T, dim))``: the engine's tokens of ``'query: '
         + text`` (with ``<s>``/``</s>``) and the states after ``layers`` layers."""
         raw = [t.encode("utf-8") for t in texts]
         total = sum(self._lib.e5_token_count(self._m, t, 1) for t in raw)
         lens = np.zeros(len(raw), np.int32)
         ids = np.zeros(total, np.int32)
-        hidden = np.zeros((total, 384), np.float32)
+        hidden = np.zeros((total, self.dim), np.float32)
         arr = (ctypes.c_char_p * len(raw))(*raw)
         c_int, c_float = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
         rc = self._lib.e5_states_batch(
