@@ -301,6 +301,23 @@ def audio_features(
 TextEncoder = Callable[[list[str]], Tensor]
 
 
+def description_captions(clips: Sequence[Clip]) -> tuple[list[str], dict[int, dict[str, str]]]:
+    """``(descriptions, captions)``: the sorted description ids, and per description index
+    its captions by language (the clips' captions merged in manifest order)."""
+    descriptions = sorted({c.description for c in clips})
+    index = {d: i for i, d in enumerate(descriptions)}
+    captions: dict[int, dict[str, str]] = {}
+    for c in clips:
+        captions.setdefault(index[c.description], {}).update(c.captions)
+    return descriptions, captions
+
+
+def caption_texts(captions: dict[int, dict[str, str]]) -> list[str]:
+    """Every distinct caption of :func:`description_captions`, sorted: the texts the study
+    encodes."""
+    return sorted({t for caps in captions.values() for t in caps.values()})
+
+
 def build(
     clips: Sequence[Clip],
     audio: Tensor,
@@ -310,12 +327,9 @@ def build(
 ) -> RealData:
     """A :class:`RealData` of ``clips`` with their cached audio features; caption features
     from ``encode_text`` (a list of captions -> ``(n, E)``), one row per description."""
-    descriptions = sorted({c.description for c in clips})
+    descriptions, captions = description_captions(clips)
     index = {d: i for i, d in enumerate(descriptions)}
-    captions: dict[int, dict[str, str]] = {}
-    for c in clips:
-        captions.setdefault(index[c.description], {}).update(c.captions)
-    wanted = sorted({t for caps in captions.values() for t in caps.values()})
+    wanted = caption_texts(captions)
     features = encode_text(wanted).float()
     row = {t: i for i, t in enumerate(wanted)}
     text = torch.zeros(len(descriptions), len(languages), features.shape[1])

