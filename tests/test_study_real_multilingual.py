@@ -192,6 +192,23 @@ def test_probe_reports_validation_and_never_reads_the_test_split(tmp_path, monke
         study.study(args, real_data.synthetic(seed=6))
 
 
+def test_set_outside_probe_needs_its_own_folder_and_records_the_settings(
+    tmp_path, monkeypatch
+) -> None:
+    """``--set`` on a full run: refused without ``--out-dir`` (the committed results keep
+    the run's settings); with it, written there with the settings in ``setup["set"]``."""
+    _tiny(monkeypatch)  # WIDTH 8: --set below writes the same value, restored after
+    args = _args(None)
+    args.set, args.methods, args.seeds, args.epochs = ["WIDTH=8"], "random", 1, 1
+    with pytest.raises(SystemExit, match="--out-dir"):
+        study.study(args, real_data.synthetic(seed=6))
+    args.out_dir = tmp_path / "other"
+    out = study.study(args, real_data.synthetic(seed=6))
+    assert out["setup"]["set"] == {"WIDTH": 8}
+    saved = json.loads((tmp_path / "other" / "real_multilingual.json").read_text())
+    assert saved["setup"]["set"] == {"WIDTH": 8}
+
+
 def _speech_of(data: real_data.RealData, clips: torch.Tensor) -> real_data.RealData:
     """``clips`` of ``data`` as a set of extra training clips (a stand-in for eSpeak NG's)."""
     n = len(clips)

@@ -965,11 +965,11 @@ def not_run(runs: list[dict], setup: dict[str, Any]) -> list[str]:
         if (m, s) not in ran:
             missing.setdefault(m, []).append(s)
     left = [m for m in METHODS if m not in setup.get("methods", METHODS)]
-    out = (
-        [f"**Arms not in this run** (`--methods`; out of CPU time): {', '.join(left)}.", ""]
-        if left
-        else []
-    )
+    changed = ", ".join(f"{k}={v!r}" for k, v in setup.get("set", {}).items())
+    out = [f"**Settings changed from the study's** (`--set`): {changed}.", ""] if changed else []
+    if left:
+        why = "run under these settings" if changed else "run: out of CPU time"
+        out += [f"**Arms not in this run** (`--methods`; not {why}): {', '.join(left)}.", ""]
     if not missing:
         return out
     listed = "; ".join(f"{m} seeds {', '.join(map(str, s))}" for m, s in missing.items())
@@ -1190,7 +1190,9 @@ def extra_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="with --probe: override a setting of this module (e.g. TOWER='mlp', GRU=True)",
+        help="override a setting of this module (e.g. TOWER='mlp', GRU=True): with --probe on "
+        "validation; without it, a full run written to --out-dir (required) with the "
+        "settings in its setup",
     )
     parser.add_argument(
         "--collect",
@@ -1299,12 +1301,17 @@ def study(args: argparse.Namespace, data: RealData | None = None) -> dict[str, A
         raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
     if getattr(args, "probe", False):
         return probe(args, methods, data)
+    changed: dict[str, Any] = {}
+    if getattr(args, "set", None) and not args.render:  # never over the committed results
+        if args.out_dir is None:
+            raise SystemExit("--set without --probe needs --out-dir (a folder of its own)")
+        changed = apply_settings(args.set)
     saved = common.load(args, NAME) if args.render else {}
     if args.render:
         runs, seconds, setup = saved["runs"], saved["seconds"], saved["setup"]
     else:
         data = data if data is not None else load_data(args)
-        setup = setup_of(data, args)
+        setup = {**setup_of(data, args), **({"set": changed} if changed else {})}
         start = time.perf_counter()
         partial = None if args.cache is None else args.cache / f"{NAME}-{settings_key()}.jsonl"
         runs = run_all(data, methods, args, partial)
@@ -1439,59 +1446,84 @@ validation: the best probe, 11.64 %, is 7.1x, the best two-seed mean, 11.39 %
 
 INTERPRETATION = """## Interpretation
 
-Written after the run. **How it ran**: on a shared 2-core machine (load 4-12, other
-sessions' jobs beside it), `--workers 2` under `nice`, in invocations sharing one
-resumable cache: the five audio-side arms for seeds 0-2, then the four text arms for
-seeds 0-1, then the rest; what had not finished when the results were committed is
-listed above as not run (the same command adds it; every run is deterministic given its
-arm and seed, so the schedule changes no number). SupCLAP's regulariser, ASK, the
-12x-longer baseline and the swapped-caption arms were not re-run on this tower: their
-numbers are the first study's (`real_multilingual_v1.md`, MLP tower).
+Written after the run. **How it ran**: on a shared 2-core machine (load 2-12, other
+sessions' jobs and two helpers' probes beside it), `--workers 2` under `nice`, in
+invocations sharing one resumable cache: the five audio-side arms for seeds 0-2 and the
+four text arms for seeds 0-1 (the first session), then the rest of those nine arms to 5
+seeds, then SupCLAP's regulariser, ASK, the swapped-caption arms and the 12x control on
+this tower (the second session). Every run is deterministic given its arm and seed (the
+second session re-ran seed 0's baseline in the text-layer study: the same numbers to 6
+digits), so the schedule changes no number. The wall-clock figure above spans both
+sessions and the time between them; in the second one, the nine arms' last seeds took 33
+min and the five other arms 45 min (2 workers, load 3-6), and the runs' own times (3.8
+worker-hours in all) are inflated by the load: counted at each arm's fastest run, the
+whole study is 119 worker-minutes, about 60 min on 2 quiet cores (2 h at the runs'
+median times). `--quick` (2 seeds x 2 epochs of every arm) took 6.2 min at load 4-5, 178
+CPU-seconds in all (about 2-3 min on 2 quiet cores), the features already cached.
 
 **The time-resolved tower does not reach 10x chance on test.** Random-language InfoNCE
-reaches 5.53 ± 0.68 % T2A R@1 on unseen descriptions (7.0x chance; 10x is 7.8 %), level
-with the first study's MLP on its test galleries (5.21 % at 100 epochs) although it led
-it on validation (9.12 vs 7.95-8.52 %, the probes above; validation galleries are half
-the size, chance 1.64 %). The **length-only control** (the same tower fed the duration
-alone) reaches 2.15 ± 0.02 % (2.7x chance): 39 % of the baseline, below half of it in
-3/3 seeds (-3.38 ± 0.68 points): about two fifths of what the baseline retrieves is
-reachable from the length alone, as the review found for the MLP. **Held-out
-recordings** (a gallery of 528 recordings of training descriptions, none with a
-byte-identical copy among the training clips; chance 0.19 %): 1.84 ± 0.11 %, against
-10.5 % for the first study's MLP on a gallery with 64 such copies; two things changed at
-once (the copies and the tower), and this run cannot say which mattered more.
+reaches 5.77 ± 0.59 % T2A R@1 on unseen descriptions (7.4x chance; 10x is 7.8 %), level
+with the first study's MLP (5.21 % at 100 epochs) although it led it on validation. No
+lever reached 10x on validation either (the probes above: eSpeak NG pretraining +1.57
+points, as much as the same steps on the human recordings; SpecAugment off -0.20; the
+best probe 7.1x validation chance). With the pretraining chosen there (30 epochs), the
+baseline on test (`--methods random --set PRETRAIN_EPOCHS=30`,
+`real_multilingual_pretrained/`): 6.68 ± 0.40 % (8.5x chance), +0.91 ± 0.80 points over
+the run's baseline (5/5 seeds ahead), still short of 10x; the other arms were not re-run
+on it. The **length-only control** (the same tower fed the duration alone) reaches 2.19
+± 0.11 % (2.8x chance): 38 % of the baseline, below half of it in 5/5 seeds (-3.58 ±
+0.59 points). **Held-out recordings** (528 recordings of training descriptions, none
+with a byte-identical copy among the training clips; chance 0.19 %): 2.06 ± 0.33 %,
+against 10.5 % for the first study's MLP on a gallery with 64 such copies; the
+12x-longer baseline reaches 4.84 % (2 seeds) there: what the longer run gains is mostly
+on descriptions it has seen.
 
 **MRV against the measured nulls.** The uniform-rank value (1,281) is no null here: the
-towers before training give 171 (seed mean; 98 sd across seeds), and the trained
-baseline's own audio embeddings, shuffled within each gallery, 317. Every trained arm's
-MRV (305-348) sits within 9-24 of its own shuffled null and below it in 3/3 seeds per
-arm: MRV measures mostly where the audio embeddings fall among e5's clusters of
+towers before training give 176 (seed mean), and the trained baseline's own audio
+embeddings, shuffled within each gallery, 323. Every arm's MRV sits below its own
+shuffled null, by 14-59, except SVR static (3 above) and the length-only control (33
+above): MRV measures mostly where the audio embeddings fall among e5's clusters of
 translations, not whether a clip is retrieved consistently across languages. Read
-against that, KCL's MRV (315, +8 ± 16 vs the baseline) and CACL's (348, +41 ± 7, 3/3)
-do not show ATRI's lower MRV.
+against that, KCL's MRV (315, +6 vs the baseline) and CACL's (349, +41 ± 6, higher in
+5/5) do not show ATRI's lower MRV. ASK has by far the lowest MRV (224, 48 below its
+shuffled null) at half the baseline's R@1: a low MRV here can come from embeddings that
+no longer separate the clips.
 
-**KCL and CACL** on this tower: KCL +0.55 ± 1.14 points over the baseline (2/3 seeds
-ahead), CACL -0.00 ± 0.60 (1/3), the compute-matched all-pairs InfoNCE +0.48 ± 0.70
-(2/3), KCL over all-pairs +0.06 ± 0.68: with 3 seeds and a seed sd of ~0.6 points,
-none of these differences is resolved; KCL's edge is what seeing all K captions a step
-gives (all-pairs matches it), as in the first study. Per caption language, Japanese
-stays the weakest (e5's weakest cross-lingual match). Captions in the clip's own spoken
-language score above the others (the diagonal of the spoken x caption table: baseline
-6.9 vs 5.4 %, KCL 8.7 vs 5.8 %, averaged over galleries and seeds; the first study's
-MLP 5.9 vs 5.1 %), highest in 4 of 8 galleries: the tower hears some words, most in the
-language it hears them in.
+**KCL and CACL** on this tower, 5 paired seeds: KCL +0.40 ± 0.84 points over the
+baseline (4/5 seeds ahead), the compute-matched all-pairs InfoNCE +0.38 ± 0.52 (4/5),
+KCL over all-pairs +0.02 ± 0.53 (3/5), the 12x-longer baseline +1.09 ± 0.06 (2/2 seeds;
+KCL +0.11 ± 0.05 over it, at a twelfth of its epochs): what edge KCL has is what seeing
+all K captions a step gives, as in the first study and the synthetic one. CACL -0.05 ±
+0.43 (1/5). With a seed sd of ~0.6 points, KCL's +0.4 is not resolved from zero. Per
+caption language, Japanese stays the weakest (e5's weakest cross-lingual match).
+Captions in the clip's own spoken language score above the others (the spoken x caption
+tables: the diagonal 7.3 vs 5.6 % for the baseline, 8.4 vs 6.0 % for KCL, averaged over
+galleries and seeds): the tower hears some words, most in the language it hears them in.
 
-**The text side.** A trainable block on top of frozen e5 (the wheel exposes no layer to
-unfreeze) moves little: random-language InfoNCE with it +0.69 ± 0.41 points over the
-frozen baseline (2/2 seeds), MRV +16 ± 4 (2/2); over random_text, KCL with it +0.63 ±
-0.12 (2/2) and CACL +0.43 ± 0.02 (2/2), all-pairs +1.20 (one seed, so KCL's edge is
-again not resolved from seeing K captions a step). Two seeds resolve nothing of this
-size. English -> X caption retrieval through the text side (R@1 over the 140 test
-descriptions, mean over the 11 languages) goes from e5's 66.9 % to 68.3 %
-(random_text), 68.4 % (KCL), 68.4 % (all-pairs, one seed) and **71.8 % (CACL)**, whose
-English-other term is the only one that trains the text side on caption pairs: the
-alignment ATRI credits CACL with shows up on the text side (Belarusian 57 -> 64 %, Greek
-56 -> 66 %, Russian 64 -> 71 %), not as a clear gain in retrieval from audio.
+**The text side.** (1) A trainable block on top of frozen e5: random-language InfoNCE
+with it +0.48 ± 0.35 points over the frozen baseline (5/5 seeds); over that, KCL +0.57 ±
+0.58 (4/5), CACL +0.16 ± 0.70 (4/5) and all-pairs +0.88 ± 0.55 (5/5), KCL behind
+all-pairs (-0.31 ± 0.25, 1/5): again the K captions a step, not KCL's form. English -> X
+caption retrieval through the text side (R@1 over the 140 test descriptions, mean over
+the 11 languages) goes from e5's 66.9 % to 68.1 (random_text), 68.2 (KCL), 68.3
+(all-pairs) and **71.9 % (CACL, 5/5 seeds)**, whose English-other term is the only one
+that trains the text side on caption pairs: the alignment ATRI credits CACL with shows
+up on the text side, not as a retrieval gain from audio. (2) e5's own top layer,
+trainable (`real_text_layer.md`: a 32-step second stage after this baseline, settings
+chosen on validation): no loss moves R@1 (every paired difference within ±0.11 points,
+none resolved), the layer lowers MRV by 3.1 ± 0.6 (5/5) against the same stage with it
+frozen, and caption alignment moves by 0.2 points: the stage validation chose is too
+small to move e5, and larger layer rates did no better on validation.
+
+**SupCLAP's regulariser and ASK on this tower** (they ran on the first study's MLP
+before): SVR static -1.88 ± 0.55 points (0/5 seeds ahead), its radius rising 0.10 ->
+0.47 through training (SupCLAP Fig. 3 has it fall); SVR dynamic -0.67 ± 0.56 (0/5), its
+radius running away to ~9.5, above `‖a − t‖` for every anchor, as in the first study.
+ASK -2.97 ± 0.52 (0/5): its bank holds other descriptions' recordings, of no use for
+descriptions never seen, and its re-alignment pulls the clips together (the low MRV
+above). **Wrong captions**: 20 % swapped cost the baseline 0.69 ± 0.60 points (1/5 seeds
+ahead of clean); ASK on the same data -2.65 ± 0.33 against it (0/5): it does not rescue
+them here. Both are worse on this tower than on the MLP (SVR static -0.34, ASK +0.10).
 """
 
 
