@@ -23,7 +23,7 @@ def sim(u: Tensor, v: Tensor, temperature: float) -> Tensor:
 
 def neg_log_softmax(scores: list[Tensor], pos: int) -> Tensor:
     """-log(exp(scores[pos]) / sum_j exp(scores[j])), written out."""
-    m = max(float(s) for s in scores)
+    m = max(float(s.detach()) for s in scores)  # a constant shift: no gradient
     denom = sum(torch.exp(s - m) for s in scores)
     return -(scores[pos] - m - torch.log(denom))
 
