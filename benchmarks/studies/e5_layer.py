@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import real_data
 import torch
 from torch import Tensor, nn
 
@@ -241,11 +242,7 @@ def token_states(texts: Sequence[str], cache: Path, layers: int = 11) -> States:
         torch.from_numpy(offsets).long(),
         torch.from_numpy(np.concatenate(ids)).long(),
     )
-    cache.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {"hidden": out.hidden, "offsets": out.offsets, "ids": out.ids}, path.with_suffix(".tmp")
-    )
-    path.with_suffix(".tmp").rename(path)
+    real_data.save_cache({"hidden": out.hidden, "offsets": out.offsets, "ids": out.ids}, path)
     return out
 
 

@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -235,6 +236,19 @@ def trimmed(mel: Tensor) -> Tensor:
     return mel[int(keep[0]) : int(keep[-1]) + 1]
 
 
+def save_cache(entries: dict[str, Any], path: Path) -> None:
+    """``torch.save`` ``entries`` to ``path`` through a temporary file renamed into place
+    (a killed run leaves no half-written cache), making its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(entries, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+
+
+def log_seconds(frames: Tensor) -> Tensor:
+    """The log duration in seconds of ``frames`` frames of ``HOP`` samples."""
+    return (frames.float() * HOP / SAMPLE_RATE).log()
+
+
 def sequence_features(
     clips: Sequence[Clip], cache: Path, max_frames: int = MAX_FRAMES, progress: bool = True
 ) -> tuple[Tensor, Tensor]:
@@ -247,9 +261,7 @@ def sequence_features(
         return saved["audio"], saved["frames"]
     waves = (read_wave(clip.audio_path) for clip in clips)
     audio, frames = sequences(waves, len(clips), max_frames, progress)
-    cache.mkdir(parents=True, exist_ok=True)
-    torch.save({"audio": audio, "frames": frames}, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
+    save_cache({"audio": audio, "frames": frames}, path)
     return audio, frames
 
 
@@ -289,9 +301,7 @@ def audio_features(
         if progress and (i + 1) % 500 == 0:
             print(f"  audio features {i + 1}/{len(clips)}", flush=True)
     audio, secs = torch.stack(patches), torch.tensor(seconds)
-    cache.mkdir(parents=True, exist_ok=True)
-    torch.save({"audio": audio, "seconds": secs}, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
+    save_cache({"audio": audio, "seconds": secs}, path)
     return audio, secs
 
 

@@ -704,16 +704,7 @@ def pretrain(
     every = torch.arange(len(speech.desc))
     clips = Prepared(speech, audio, steps, prep.text, every, speech.desc.cpu(), every[:0])
     step = Step(kind, clips, towers, 60_000 + seed)
-    common.train(
-        param_groups(towers, step),
-        len(every),
-        epochs=PRETRAIN_EPOCHS,
-        batch=BATCH,
-        seed=60_000 + seed,
-        step=step,
-        lr=LR,
-        schedule=warmup_cosine,
-    )
+    fit(towers, step, PRETRAIN_EPOCHS, 60_000 + seed)  # no bank: its refresh does nothing
     val = evaluate(towers, prep, "val")["t2a_R@1"]
     return {"val_t2a_R@1": val, "seconds": time.perf_counter() - start}
 
@@ -1210,7 +1201,7 @@ def load_data(args: argparse.Namespace) -> RealData:
     global _SPEECH
     clips = real_data.read_manifests(args.manifests)
     audio, frames = real_data.sequence_features(clips, args.cache)
-    seconds = (frames.float() * real_data.HOP / real_data.SAMPLE_RATE).log()
+    seconds = real_data.log_seconds(frames)
     data = real_data.build(
         clips, audio, seconds, lambda texts: e5.encode(texts, cache_dir=args.text_cache)
     )
@@ -1357,8 +1348,11 @@ def probe(
             r = train_one(m, seed, args.epochs, data, args.device, test=False)
             curve = " ".join(f"{100 * v:.2f}" for v in r["curves"]["val_t2a"])
             pre = r["pretrained"]
-            after = "" if pre is None else f"after pretraining {100 * pre['val_t2a_R@1']:.2f} "
-            after += "" if pre is None else f"({pre['seconds']:.0f} s), "
+            after = (
+                ""
+                if pre is None
+                else f"after pretraining {100 * pre['val_t2a_R@1']:.2f} ({pre['seconds']:.0f} s), "
+            )
             print(
                 f"probe {changed} {m} seed {seed} epochs {args.epochs}: val T2A R@1 "
                 f"{100 * r['val_t2a_R@1']:.2f} ({after}curve {curve}; {r['seconds']:.0f} s)",

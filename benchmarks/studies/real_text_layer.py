@@ -177,9 +177,7 @@ def stage1(
     cpu = time.process_time() - start
     state = {k: v.detach().cpu().clone() for k, v in towers["audio"].state_dict().items()}
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"audio": state, "cpu_seconds": cpu}, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
+        real_data.save_cache({"audio": state, "cpu_seconds": cpu}, path)
     return state, cpu
 
 

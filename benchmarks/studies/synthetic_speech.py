@@ -171,9 +171,7 @@ def variant_features(
         return saved["audio"], saved["frames"]
     stream = waves(utterances, variant, say())
     audio, frames = real_data.sequences(stream, len(utterances), progress=progress)
-    cache.mkdir(parents=True, exist_ok=True)
-    torch.save({"audio": audio, "frames": frames}, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
+    real_data.save_cache({"audio": audio, "frames": frames}, path)
     return audio, frames
 
 
@@ -219,7 +217,7 @@ def as_real_data(
     n = len(desc)
     return RealData(
         audio=audio,
-        seconds=(frames.float() * real_data.HOP / real_data.SAMPLE_RATE).log(),
+        seconds=real_data.log_seconds(frames),
         text=data.text,
         present=data.present,
         desc=desc,
