@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fine-tune a CED audio encoder + SONAR multilingual text encoder with any contrastive_losses loss.
 
-A first run on CPU, on generated data (about a minute; see the README's set-up)::
+A first run on CPU, on generated data (about 120 CPU-seconds; see the README)::
 
     python examples/finetune_ced_sonar.py --demo --output-dir /tmp/clap-demo
 

@@ -8,18 +8,35 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from . import descriptors, safe_json
 from .sonar import PAPER_LANGUAGES, canonical_language
-from .towers import add_real_data_args, uses_sonar, validate_towers
+from .towers import (
+    add_real_data_args,
+    apply_tower_defaults,
+    tower_default_text,
+    uses_sonar,
+    validate_towers,
+)
 
-LOSSES = ("infonce", "siglip", "mlclap", "kcl", "cacl", "ask")
+LOSSES = ("infonce", "siglip", "mlclap", "kcl", "infonce_all", "cacl", "ask")
+#: Where the docs say to start (docs "Which loss should I use?"): ML-CLAP's random-language
+#: InfoNCE; no other loss beat it beyond seed noise on real recordings.
+DEFAULT_LOSS = "mlclap"
 SVR_MODES = ("none", "static", "dynamic")
 CHECK_AUDIO = ("full", "header", "off")
 REQUIRED = ("train_manifest", "sonar", "output_dir")
+#: What a missing required option is, and the other way to do without it.
+REQUIRED_HINTS = {
+    "train_manifest": "--train-manifest FILE (CSV/JSONL: audio_path,audio_id,caption,language)",
+    "sonar": "--sonar DIR (the SONAR text encoder; or --text-encoder e5, the CPU text tower "
+    "that needs no SONAR)",
+    "output_dir": "--output-dir DIR (where the run writes)",
+}
 
 
 def _languages(value: str | Sequence[str]) -> list[str]:
@@ -89,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo",
         False,
         "generate a small learnable synthetic set and tiny towers under --output-dir and train "
-        "on them (CPU, about a minute); other options override the demo's",
+        "on them (about 120 CPU-seconds); other options override the demo's",
     )
 
     _add_data_args(p)
@@ -120,7 +137,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         default=list(PAPER_LANGUAGES),
         help="comma-separated NLLB codes, English first; K = their number",
     )
-    g.add_argument("--max-seconds", type=float, default=10.0, help="random training crop length")
+    g.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help=f"random training crop length (default: {tower_default_text('max_seconds')})",
+    )
     g.add_argument(
         "--eval-max-seconds",
         type=float,
@@ -172,7 +194,12 @@ def _add_tower_and_loss_args(p: argparse.ArgumentParser) -> None:
         "--sonar-config", type=_json_dict, default={}, help="M2M100Config overrides as JSON"
     )
     g.add_argument("--text-max-length", type=int, default=128, help="caption tokens kept")
-    g.add_argument("--embed-dim", type=int, default=1024, help="projection output size")
+    g.add_argument(
+        "--embed-dim",
+        type=int,
+        default=None,
+        help=f"projection output size (default: {tower_default_text('embed_dim')})",
+    )
     g.add_argument(
         "--mlclap-checkpoint", help="ML-CLAP pretrain.pt: initialises both towers and heads"
     )
@@ -180,7 +207,16 @@ def _add_tower_and_loss_args(p: argparse.ArgumentParser) -> None:
     add_real_data_args(p)
 
     g = p.add_argument_group("loss")
-    g.add_argument("--loss", default="kcl", choices=LOSSES, help="see examples/README.md")
+    g.add_argument(
+        "--loss",
+        default=DEFAULT_LOSS,
+        choices=LOSSES,
+        help="mlclap: InfoNCE on one random language per clip (the ML-CLAP baseline, where the "
+        "docs' 'Which loss should I use?' says to start); kcl: ATRI's 1-to-K loss over all K "
+        "captions; infonce_all: InfoNCE over all K captions as extra pairs (KCL's "
+        "compute-matched control, the studies' pairs_all); infonce/siglip/ask: the "
+        "--pair-language caption; cacl: English + one other (see examples/README.md)",
+    )
     g.add_argument("--svr", default="none", choices=SVR_MODES, help="support vector regularisation")
     g.add_argument(
         "--svr-direction", default="bi", choices=("uni", "bi"), help="SVR: text->audio or both"
@@ -249,7 +285,12 @@ def _add_optimisation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=24, help="per process")
     g.add_argument("--eval-batch-size", type=int, default=32, help="clips/captions per forward")
     g.add_argument("--optimizer", default="adam", choices=("adam", "adamw"), help="optimizer")
-    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"peak learning rate (default: {tower_default_text('lr')})",
+    )
     g.add_argument("--weight-decay", type=float, default=0.0, help="optimizer weight decay")
     g.add_argument(
         "--schedule",
@@ -392,9 +433,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     needed = [name for name in REQUIRED if name != "sonar" or uses_sonar(args)]
-    missing = [f"--{name.replace('_', '-')}" for name in needed if getattr(args, name) is None]
+    missing = [REQUIRED_HINTS[name] for name in needed if getattr(args, name) is None]
     if missing:
-        parser.error(f"missing required option(s) {missing} (command line or --config)")
+        parser.error(f"missing required option(s): {'; '.join(missing)} (command line or --config)")
+    apply_tower_defaults(args)
     validate(args)
     return args
 
@@ -439,12 +481,42 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def validate_manifests(args: argparse.Namespace) -> None:
-    """--val-manifest and --test-manifest are two files (compared by path, neither opened):
-    choosing best/ on the set that reports the final numbers is what the split avoids."""
+    """--val-manifest and --test-manifest are two files with different contents: choosing best/
+    on the set that reports the final numbers is what the split avoids. Compared by path, then,
+    for two regular files of the same size, byte by byte (the test set is read for nothing
+    else before the training ends)."""
     val, test = args.val_manifest, args.test_manifest
-    if val and test and os.path.realpath(val) == os.path.realpath(test):
-        raise ValueError(
-            f"--val-manifest {val} and --test-manifest {test} are the same file: best/ would "
-            "be chosen on the test set; give a validation split (the Tux Paint builder writes "
-            "galleries/val_*.jsonl) or split one off the training manifest"
-        )
+    if not (val and test):
+        return
+    if os.path.realpath(val) == os.path.realpath(test):
+        same = "are the same file"
+    elif _same_bytes(val, test):
+        same = "hold the same bytes"
+    else:
+        return
+    raise ValueError(
+        f"--val-manifest {val} and --test-manifest {test} {same}: best/ would "
+        "be chosen on the test set; give a validation split (the Tux Paint builder writes "
+        "galleries/val_*.jsonl) or split one off the training manifest"
+    )
+
+
+def _same_bytes(first: str, second: str) -> bool:
+    """Whether two regular files of the same size hold the same bytes; anything else (a
+    missing or special file) is ``False`` and left to the manifest checks that name it."""
+    try:
+        a, b = os.stat(first), os.stat(second)
+        if not (stat.S_ISREG(a.st_mode) and stat.S_ISREG(b.st_mode)) or a.st_size != b.st_size:
+            return False
+        with (
+            os.fdopen(descriptors.open_regular(first, "--val-manifest"), "rb") as x,
+            os.fdopen(descriptors.open_regular(second, "--test-manifest"), "rb") as y,
+        ):
+            while True:
+                chunk = x.read(1 << 20)
+                if chunk != y.read(1 << 20):
+                    return False
+                if not chunk:
+                    return True
+    except (OSError, ValueError):
+        return False

@@ -630,10 +630,16 @@ def eval_captions(
     lacking = [(c, lang) for c in clips for lang in langs if not c.captions.get(lang)]
     if lacking:
         listed = ", ".join(f"{c.audio_id} lacks {lang}" for c, lang in lacking[:10])
+        shared = [lang for lang in langs if all(c.captions.get(lang) for c in clips)]
+        fix = (
+            f"; to evaluate the languages every clip has, pass --languages {','.join(shared)}"
+            if shared
+            else ""
+        )
         raise ManifestError(
             f"{manifest}: an evaluation (validation or test) manifest needs a caption in "
-            "every language for every clip: "
-            f"{listed}{'...' if len(lacking) > 10 else ''}"
+            f"every language of --languages ({','.join(langs)}) for every clip: "
+            f"{listed}{'...' if len(lacking) > 10 else ''}{fix}"
         )
     c = min(len(clip.captions[lang]) for clip in clips for lang in langs)
     texts: list[str] = []

@@ -1,5 +1,5 @@
 """``finetune_ced_sonar.py --demo --output-dir DIR``: a run a newcomer can start on a laptop CPU
-and watch learn in about a minute.
+and watch learn (about 120 CPU-seconds).
 
 ``DIR/data`` gets a small synthetic set whose captions, in English, French and German, name what
 is heard (5 sounds x loud/quiet, :func:`~clap_example.synthetic.make_demo_dataset`);

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from .data import AudioOnlyDataset, Clip, collate, eval_captions
+from .durable import warn
 from .logs import flatten_metrics
 from .model import ClapModel
 from .objective import Trainable
@@ -238,10 +241,28 @@ def build_bank_if_due(
     if not due:
         return bank_epoch
     audio, text, ids = evaluator.embed_training_pairs(train_clips, langs, rank, world)
-    bank.build(audio, text, ids, gather=world > 1)
+    with warnings.catch_warnings(record=True) as caught:  # said in the trainer's words below
+        warnings.simplefilter("always")
+        bank.build(audio, text, ids, gather=world > 1)
+    if rank == 0:
+        for seen in caught:
+            warn(f"[ask] {as_trainer_option(str(seen.message))}")
     if rank == 0:
         what = "built" if epoch == 0 else "refreshed"
         print(
             f"[ask] knowledge bank {what} from {len(bank)} training pairs before epoch {epoch + 1}"
         )
     return epoch
+
+
+#: The KnowledgeBank arguments its build warns about, and the trainer options that set them.
+_ASK_OPTIONS = {"num_prototypes": "--ask-prototypes"}
+
+
+def as_trainer_option(message: str) -> str:
+    """A library warning about ASK in the trainer's words: ``num_prototypes=512`` becomes
+    ``--ask-prototypes 512`` (the option that changes it)."""
+    for name, option in _ASK_OPTIONS.items():
+        message = re.sub(rf"\b{name}=", f"{option} ", message)
+        message = re.sub(rf"\b{name}\b", option, message)
+    return message

@@ -19,8 +19,13 @@ def build_loss(args: argparse.Namespace) -> nn.Module:
     """Map ``--loss``/``--svr`` to ``contrastive_losses`` objects (DESIGN.md section 2).
 
     ``mlclap`` is the ML-CLAP baseline: InfoNCE on one randomly drawn language per clip (the
-    drawing happens in :func:`select_texts`). ``ask`` builds an empty :class:`KnowledgeBank`
-    that the trainer fills from the training set before the first epoch.
+    drawing happens in :func:`select_texts`). ``infonce_all`` is InfoNCE over all present
+    ``(clip, caption)`` pairs of the batch (``B x K`` rows, a clip's audio repeated per
+    caption), KCL's compute-matched control (the studies' ``pairs_all``): its audio->text term
+    is ``KCLLoss(negatives="all_languages")``'s and its text->audio term KCL's plus
+    ``log K`` (the K copies of a clip's audio tie), so it is computed as that loss. ``ask``
+    builds an empty :class:`KnowledgeBank` that the trainer fills from the training set
+    before the first epoch.
     """
     import contrastive_losses as cl
 
@@ -50,10 +55,9 @@ def build_loss(args: argparse.Namespace) -> nn.Module:
         )
     elif args.loss == "siglip":
         base = cl.SigLIPLoss(chunk_size=chunk)
-    elif args.loss == "kcl":
-        base = cl.KCLLoss(
-            temperature=args.temperature, negatives=args.kcl_negatives, chunk_size=chunk
-        )
+    elif args.loss in ("kcl", "infonce_all"):
+        negatives = "all_languages" if args.loss == "infonce_all" else args.kcl_negatives
+        base = cl.KCLLoss(temperature=args.temperature, negatives=negatives, chunk_size=chunk)
     elif args.loss == "cacl":
         base = cl.CACLLoss(temperature=args.temperature, chunk_size=chunk)
     else:
@@ -73,8 +77,9 @@ def build_loss(args: argparse.Namespace) -> nn.Module:
 
 
 def text_mode(args: argparse.Namespace) -> str:
-    """Which captions a step encodes: ``all`` (KCL), ``cacl``, ``random`` or ``fixed``."""
-    if args.loss == "kcl":
+    """Which captions a step encodes: ``all`` (KCL, all-pairs InfoNCE), ``cacl``, ``random``
+    or ``fixed``."""
+    if args.loss in ("kcl", "infonce_all"):
         return "all"
     if args.loss == "cacl":
         return "cacl"

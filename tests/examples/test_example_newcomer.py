@@ -277,16 +277,49 @@ def test_summary_png_and_the_detailed_plots(tmp_path: Path) -> None:
     steps = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
     epochs = [json.loads(line) for line in (run / "epoch_log.jsonl").read_text().splitlines()]
     fig = summary_figure(plt, run, steps, epochs, 0.1)
-    loss_ax, param_ax, r1_ax, bar_ax = fig.axes[:4]
+    loss_ax, r1_ax, bar_ax = fig.axes[:3]
     assert "temperature" not in [t.get_text() for t in loss_ax.get_legend().get_texts()]
-    assert {line.get_label() for line in param_ax.lines} == {"temperature"}
-    assert any(a.get_ylabel() == "radius" for a in fig.axes[4:])  # its own axis
+    by_label = {ax.get_ylabel(): ax for ax in fig.axes[3:]}
+    assert {line.get_label() for line in by_label["temperature"].lines} == {"temperature"}
+    assert {line.get_label() for line in by_label["radius"].lines} == {"radius_mean"}
     for ax in (r1_ax, bar_ax):
         assert ax.get_title().startswith("VALIDATION SET")
         assert any(line.get_label() == "chance (0.10)" for line in ax.lines)
     means = {line.get_label(): list(line.get_ydata()) for line in r1_ax.lines}
     assert means["mean of both"][-1] == pytest.approx(0.72)  # (0.74 + 0.70) / 2
     assert len(bar_ax.patches) == 4  # 2 languages x 2 directions
+    plt.close(fig)
+
+
+def test_the_parameter_panel_has_one_axis_per_unit_and_legends_outside(tmp_path: Path) -> None:
+    """SVR's six radius series (issue 42): the distances on one axis, the share of anchors
+    with R > ||a - t|| and the slope each on their own, every legend right of its axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from clap_example.plots import summary_figure
+
+    svr = {"radius_mean": 0.2, "radius_min": 0.1, "radius_max": 0.3, "radius_std": 0.05,
+           "radius_over_distance": 0.4, "svr_radius_slope": -0.1, "temperature": 0.07}  # fmt: skip
+    steps = [
+        {"step": i, "loss": 3.0 - 0.1 * i, **{f"terms/{k}": v * i for k, v in svr.items()}}
+        for i in range(1, 11)
+    ]
+    fig = summary_figure(plt, tmp_path, steps, [], None)
+    panel = {ax.get_ylabel(): ax for ax in fig.axes if ax.get_legend() and ax.lines}
+    labels = {name: {line.get_label() for line in ax.lines} for name, ax in panel.items()}
+    assert labels == {
+        "loss": labels["loss"],
+        "temperature": {"temperature"},
+        "radius": {"radius_mean", "radius_min", "radius_max"},
+        "share R > \u2016a \u2212 t\u2016": {"radius_over_distance"},
+        "radius slope": {"svr_radius_slope"},
+    }
+    fig.canvas.draw()
+    for name, ax in panel.items():
+        if name != "loss":  # each legend lies right of its axis, over none of its lines
+            assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1, name
     plt.close(fig)
 
 

@@ -63,6 +63,7 @@ CASES = [
     pytest.param("siglip", "none", "bi", id="siglip"),
     pytest.param("mlclap", "none", "bi", id="mlclap"),
     pytest.param("kcl", "none", "bi", id="kcl"),
+    pytest.param("infonce_all", "none", "bi", id="infonce_all"),
     pytest.param("cacl", "none", "bi", id="cacl"),
     pytest.param("ask", "none", "bi", id="ask", marks=needs_ask),
     pytest.param("infonce", "static", "bi", id="infonce-svr-static", marks=needs_svr),
@@ -70,6 +71,7 @@ CASES = [
     pytest.param("mlclap", "dynamic", "bi", id="mlclap-svr-dynamic", marks=needs_svr),
     pytest.param("kcl", "static", "uni", id="kcl-svr-static-uni", marks=needs_svr),
     pytest.param("kcl", "dynamic", "bi", id="kcl-svr-dynamic", marks=needs_svr),
+    pytest.param("infonce_all", "static", "bi", id="infonce_all-svr-static", marks=needs_svr),
     pytest.param("cacl", "static", "bi", id="cacl-svr-static", marks=needs_svr),
 ]
 

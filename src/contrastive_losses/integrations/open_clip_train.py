@@ -382,16 +382,46 @@ def _unsupported(name: str) -> Callable[..., Any]:
     return refuse
 
 
+#: How ``--cl-svr`` is written on a shell's command line.
+_SVR_EXAMPLE = """--cl-svr '{"radius": "dynamic"}'"""
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    """``--cl-svr``'s value: a JSON object, or an error that shows how to write one."""
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not JSON ({err.msg}); keys and strings need double quotes, e.g. "
+            + _SVR_EXAMPLE
+        ) from None
+    if not isinstance(out, dict):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is JSON but not an object, e.g. " + _SVR_EXAMPLE
+        )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m contrastive_losses.integrations.open_clip_train [--cl-chunk-size N]
     [--cl-svr JSON] [--cl-no-checks] <open_clip_train.main's flags>``:
     :func:`install`, then open_clip's ``main`` on the remaining flags."""
     parser = argparse.ArgumentParser(
-        prog="python -m contrastive_losses.integrations.open_clip_train"
+        prog="python -m contrastive_losses.integrations.open_clip_train",
+        description="open_clip's trainer (open_clip_train.main) on contrastive_losses' "
+        "drop-ins: the --cl-* options below are ours; every other flag goes to open_clip's "
+        "trainer unchanged.",
+        epilog="open_clip's own flags (--model, --train-data, --batch-size, ...): "
+        "python -m open_clip_train.main --help",
     )
-    parser.add_argument("--cl-chunk-size", type=int, default=None)
     parser.add_argument(
-        "--cl-svr", type=json.loads, default=None, help='e.g. \'{"radius": "dynamic"}\''
+        "--cl-chunk-size", type=int, default=None, help="chunk_size of the loss (exact tiling)"
+    )
+    parser.add_argument(
+        "--cl-svr",
+        type=_json_object,
+        default=None,
+        help="SupportVectorRegularizer options as a JSON object, e.g. " + _SVR_EXAMPLE,
     )
     parser.add_argument("--cl-no-checks", action="store_true", help="validate_args=False")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
