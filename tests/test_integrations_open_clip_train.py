@@ -417,6 +417,33 @@ def test_command_line_installs_then_runs_open_clips_main(fake_open_clip):
     }
 
 
+def test_command_line_help_says_the_other_flags_go_to_open_clip(capsys):
+    with pytest.raises(SystemExit) as info:
+        oct.main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "every other flag goes to open_clip's trainer unchanged" in text, text
+    assert "python -m open_clip_train.main --help" in text, text
+    assert not oct._active  # --help installs nothing
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("{radius: dynamic}", "keys and strings need double quotes"),
+        ('["dynamic"]', "not an object"),
+    ],
+)
+def test_command_line_svr_that_is_not_a_json_object_says_how_to_write_it(capsys, value, says):
+    with pytest.raises(SystemExit) as info:
+        oct.main(["--cl-svr", value])
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert says in err and """--cl-svr '{"radius": "dynamic"}'""" in err, err
+    assert "invalid loads value" not in err
+    assert not oct._active
+
+
 def test_missing_open_clip_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "open_clip", None)  # import open_clip -> ImportError
     monkeypatch.setitem(sys.modules, "open_clip.factory", None)
