@@ -161,3 +161,33 @@ def test_a_test_manifest_with_the_validation_sets_bytes_is_refused(
     copy.write_bytes(text[:-2] + (b"X" if text[-2:-1] != b"X" else b"Y") + text[-1:])
     assert len(copy.read_bytes()) == len(text)  # same size, other bytes: accepted
     assert parse_args(["--config", str(config)]).test_manifest == str(copy)
+
+
+def _fake_run(folder: Path, loss: str, seed: int, value: float, svr: str = "none") -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"loss": loss, "svr": svr, "seed": seed}))
+    (folder / "summary.json").write_text(json.dumps({"selection": {"value": value}}))
+
+
+def test_compare_runs_pairs_seeds_and_gives_the_t_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from clap_example.compare import cli, paired_difference
+
+    base, kcl = [0.10, 0.12, 0.11], [0.12, 0.13, 0.11]  # differences: +2, +1, 0 points
+    for seed, (b, k) in enumerate(zip(base, kcl, strict=True)):
+        _fake_run(tmp_path / f"mlclap-{seed}", "mlclap", seed, b)
+        _fake_run(tmp_path / f"kcl-{seed}", "kcl", seed, k)
+    _fake_run(tmp_path / "svr-0", "mlclap", 0, 0.05, svr="dynamic")  # one seed: not enough
+    (tmp_path / "unfinished").mkdir()
+    assert cli([str(p) for p in sorted(tmp_path.iterdir())]) == 0
+    out = capsys.readouterr().out
+    # mean 1, sd 1, n 3: half-width t(0.975, 2) / sqrt(3) = 4.303 / 1.732 = 2.48
+    assert "kcl - mlclap: +1.00 [-1.48, +3.48] (2/3 seeds ahead) points, seeds [0, 1, 2]" in out
+    assert "mlclap+svr-dynamic: 1 seed(s) paired with mlclap; run >= 3" in out
+    assert "unfinished: no summary.json" in out
+    summary = paired_difference([2.0, 1.0, 0.0])
+    assert (summary.mean, summary.sd, summary.n) == (1.0, 1.0, 3)
+    with pytest.raises(SystemExit):
+        cli([str(tmp_path / "kcl-0"), "--baseline", "mlclap"])
+    assert "no finished run of it" in capsys.readouterr().err
