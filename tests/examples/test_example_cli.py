@@ -71,8 +71,10 @@ def test_the_demo_learns_on_cpu(tmp_path: Path) -> None:
 
 
 def test_the_demo_is_the_command_after_the_install_in_the_readme() -> None:
-    set_up = (REPO / "README.md").read_text().split("## Set-up", 1)[1].split("\n## ", 1)[0]
-    assert "python examples/finetune_ced_sonar.py --demo --output-dir" in set_up
+    readme = (REPO / "README.md").read_text()
+    demo = readme.split("## Try it: the CPU demo", 1)[1].split("\n## ", 1)[0]
+    assert "python examples/finetune_ced_sonar.py --demo --output-dir" in demo
+    assert '(`pip install -e ".[examples]"`)' in demo  # the install it needs
 
 
 # --- 7. errors on the command line ------------------------------------------------------------
