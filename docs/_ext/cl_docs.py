@@ -35,9 +35,10 @@ import pkgutil
 import re
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from docutils import nodes
+from docutils.parsers.rst import directives
 from docutils.statemachine import StringList
 from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
@@ -277,10 +278,12 @@ def _machine(payload: dict[str, Any]) -> str:
 
 
 class BenchmarkResults(SphinxDirective):
-    """``.. benchmark-results:: NAME`` (or ``*`` for all results not shown yet on the page)."""
+    """``.. benchmark-results:: NAME`` (or ``*`` for all results not shown yet on the page;
+    ``:exclude: A B`` leaves those out of ``*``, e.g. a summary that repeats every table)."""
 
     required_arguments = 1
     has_content = False
+    option_spec: ClassVar[dict[str, Any]] = {"exclude": directives.unchanged}
 
     def run(self) -> list[nodes.Node]:
         # "studies/*" renders the results of a sub-folder (the controlled studies).
@@ -292,7 +295,8 @@ class BenchmarkResults(SphinxDirective):
             {p.stem for p in results.glob("*.json")} | {p.stem for p in results.glob("*.md")}
         )
         if name == "*":
-            names = [s for s in stems if f"{sub}/{s}" not in claimed]
+            excluded = set(self.options.get("exclude", "").split())
+            names = [s for s in stems if f"{sub}/{s}" not in claimed and s not in excluded]
             with_titles = True
         else:
             names = [name]

@@ -1,7 +1,7 @@
 """PNG plots of a run, from its logs.
 
 ``plots/summary.png`` is the one to open first, readable in ten seconds: the training loss (raw
-and smoothed) with its terms; the loss's temperature and radius on their own axes; the
+and smoothed) with its terms; the loss's parameters, one axis per unit (:func:`params_panel`); the
 validation set's R@1 per epoch (mean over languages, both directions) against chance; and the
 last epoch's R@1 per language as bars (the test set is evaluated once, after the plots:
 ``summary.json``). Beside it, in more detail: ``loss.png`` (every term, per language
