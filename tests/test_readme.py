@@ -136,6 +136,10 @@ def test_every_interval_quoted_is_recomputed_from_the_newest_studies():
     rows = [_interval(*c) for c in TABLE]
     table = _section(readme, "Which loss should I use?").split("| loss |", 1)[1]
     assert INTERVAL.findall(table.split("\n\n", 1)[0]) == rows
+    for line in table.split("\n\n", 1)[0].splitlines():
+        if INTERVAL.search(line):  # each row names the study its numbers come from
+            study = {c[0] for c in TABLE if _interval(*c) in line}
+            assert line.rstrip(" |").endswith(f"studies/{study.pop()}.md)"), line
     page_table = page.split(".. list-table::", 1)[1].split("\n\n", 2)[1]
     assert INTERVAL.findall(page_table) == rows
     for text in (_section(readme, "Support vector regularisation"), _section(readme, "ASK:")):

