@@ -291,14 +291,17 @@ def read_manifest(
     return list(clips.values())
 
 
-def require_language(clips: Sequence[Clip], language: str, why: str, manifest: str) -> None:
-    """Every clip must have a caption in ``language`` (e.g. English for CACL)."""
+def require_language(
+    clips: Sequence[Clip], language: str, why: str, manifest: str, fix: str = ""
+) -> None:
+    """Every clip must have a caption in ``language`` (e.g. English for CACL); ``fix`` says
+    which option does without it."""
     lacking = [c for c in clips if language not in c.captions]
     if lacking:
         listed = ", ".join(f"{c.audio_id} (line {c.rows[0]})" for c in lacking[:10])
         raise ManifestError(
             f"{manifest}: {len(lacking)} clip(s) have no {language} caption, which {why} needs: "
-            f"{listed}{'...' if len(lacking) > 10 else ''}"
+            f"{listed}{'...' if len(lacking) > 10 else ''}{'; ' + fix if fix else ''}"
         )
 
 

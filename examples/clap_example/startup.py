@@ -76,7 +76,10 @@ def read_data(args: argparse.Namespace, rank: int, world: int) -> RunData:
     train_clips = read_manifest(args.train_manifest, languages, args.audio_root, contain=contain)
     mode = text_mode(args)
     if mode == "cacl":
-        require_language(train_clips, languages[0], "CACL", args.train_manifest)
+        require_language(
+            train_clips, languages[0], "CACL", args.train_manifest,
+            fix="leave those clips out, or train them with --loss mlclap or kcl",
+        )  # fmt: skip
         require_other_language(train_clips, languages[0], args.train_manifest)
     if mode == "fixed":
         require_language(
@@ -84,6 +87,7 @@ def read_data(args: argparse.Namespace, rank: int, world: int) -> RunData:
             args.pair_language,
             f"--pair-language {args.pair_language}",
             args.train_manifest,
+            fix="--pair-language random draws among each clip's captions",
         )
     val_clips: list[Clip] = []
     if args.val_manifest:

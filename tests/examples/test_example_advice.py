@@ -197,3 +197,17 @@ def test_compare_runs_pairs_seeds_and_gives_the_t_interval(
     with pytest.raises(SystemExit):
         cli([str(tmp_path / "kcl-0"), "--baseline", "mlclap"])
     assert "no finished run of it" in capsys.readouterr().err
+
+
+def test_a_pair_language_some_clips_lack_says_the_option_that_does_without(
+    tmp_path: Path, base_config: dict[str, Any]
+) -> None:
+    """The synthetic training set lacks German on some clips (conftest)."""
+    from clap_example.startup import read_data
+
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({**base_config, "output_dir": str(tmp_path / "run"),
+                                  "loss": "infonce", "pair_language": "deu_Latn"}))  # fmt: skip
+    args = parse_args(["--config", str(config)])
+    with pytest.raises(ManifestError, match="--pair-language random draws among each clip's"):
+        read_data(args, 0, 1)
