@@ -168,7 +168,8 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tower_and_loss_args(p: argparse.ArgumentParser) -> None:
-    """The "models" group (the towers and their weights), then the "loss" group."""
+    """The "models" group (the towers and their weights), then the "loss" group
+    (:func:`_add_loss_args`)."""
     g = p.add_argument_group("models")
     g.add_argument(
         "--ced-size", default="base", choices=("tiny", "mini", "small", "base"), help="CED width"
@@ -205,7 +206,11 @@ def _add_tower_and_loss_args(p: argparse.ArgumentParser) -> None:
     )
 
     add_real_data_args(p)
+    _add_loss_args(p)
 
+
+def _add_loss_args(p: argparse.ArgumentParser) -> None:
+    """The "loss" group: --loss, SVR, temperature, tiling, KCL, ASK and GradCache options."""
     g = p.add_argument_group("loss")
     g.add_argument(
         "--loss",
