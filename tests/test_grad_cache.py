@@ -329,6 +329,13 @@ def test_batch_norm_in_training_mode() -> None:
     assert int(cached[1].num_batches_tracked) == 2
     cached.eval()  # statistics frozen: allowed by default
     GradCache(loss_fn, CHUNK)(cached, a, text_enc, t)
+    one_chunk = _bn_encoder()  # one chunk holds the batch: the plain step, allowed
+    _zero(text_enc)
+    GradCache(loss_fn, 6)(one_chunk, a, text_enc, t)
+    plain = _bn_encoder()
+    _plain_step(loss_fn, plain, a, text_enc, t, 6)
+    torch.testing.assert_close(one_chunk[0].weight.grad, plain[0].weight.grad)
+    assert int(one_chunk[1].num_batches_tracked) == 1
 
 
 def test_frozen_tower_and_bound_methods() -> None:

@@ -208,10 +208,13 @@ class GradCache:
             (default): no scaling (float32, bfloat16).
         batch_norm: a batch-norm layer in training mode inside an encoder normalises each
             chunk by the chunk's statistics, not the batch's, so the step is no longer the
-            plain step. ``"error"`` (default) refuses it with a ``ValueError`` (put those
-            layers in ``eval()`` or use LayerNorm / GroupNorm); ``"per_chunk"`` accepts the
-            chunk statistics (the gradient is then exact for that per-chunk forward, and the
-            replay does not update the running statistics a second time).
+            plain step. ``"error"`` (default) refuses it with a ``ValueError`` when the
+            encoder's inputs span more than one chunk (put those layers in ``eval()`` or use
+            LayerNorm / GroupNorm); ``"per_chunk"`` accepts the chunk statistics, as DDP
+            without ``SyncBatchNorm`` accepts each rank's (the gradient is then exact for
+            that per-chunk forward). Either way the replay does not update the running
+            statistics a second time; the encoder must be an ``nn.Module`` (or a bound
+            method of one) for GradCache to find them.
 
     Call:
         ``cache(audio_encoder, audio_inputs, text_encoder, text_inputs, **loss_kwargs)``.
@@ -312,9 +315,9 @@ class GradCache:
         """Step 1 for one encoder: chunks under ``no_grad``, RNG state before each."""
         if not callable(encoder):
             raise TypeError(f"{name}: expected a callable encoder, got {type(encoder).__name__}")
-        _rows(inputs, inputs_name)
+        rows = _rows(inputs, inputs_name)
         owner = _owner(encoder)
-        norms = _training_batch_norms(owner)
+        norms = _training_batch_norms(owner) if rows > self.chunk_size else []
         if norms and self.batch_norm == "error":
             raise ValueError(
                 f"{name}: batch-norm layers in training mode ({', '.join(norms[:4])}) normalise "
