@@ -262,38 +262,59 @@ def test_token_mappings_and_return_terms() -> None:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-10, atol=1e-12, msg=key)
 
 
-def test_grad_scaler_under_cpu_bfloat16_autocast() -> None:
+AMP_CASES = [
+    pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+    pytest.param(
+        "cuda",
+        torch.float16,
+        id="cuda-f16",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+
+
+def _rng_states(device: str) -> list[Tensor]:
+    states = [torch.get_rng_state()]
+    return states + ([torch.cuda.get_rng_state()] if device == "cuda" else [])
+
+
+@pytest.mark.parametrize(("device", "amp_dtype"), AMP_CASES)
+def test_grad_scaler_under_autocast(device: str, amp_dtype: torch.dtype) -> None:
     """The cached gradients are scaled once: the encoders' gradients are the scaled plain
-    gradients (bf16 autocast on CPU, float32 weights, a scale of 2**10)."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    loss_fn = InfoNCELoss(0.1, learnable_temperature=True)
-    audio_enc, text_enc = _models(torch.float32, dropout=0.2)
-    a, t = _inputs(torch.float32, k_captions=False)
+    gradients (autocast, float32 weights, a scale of 2**10, dropout replayed from the
+    device's generator); every generator ends where the plain step leaves it."""
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+    loss_fn = InfoNCELoss(0.1, learnable_temperature=True).to(device)
+    audio_enc, text_enc = (m.to(device) for m in _models(torch.float32, dropout=0.2))
+    a, t = (x.to(device) for x in _inputs(torch.float32, k_captions=False))
 
     torch.manual_seed(8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=amp_dtype):
         u = torch.cat([audio_enc(c) for c in a.split(CHUNK)])
         v = torch.cat([text_enc(c) for c in t.split(CHUNK)])
         loss = loss_fn(u.float(), v.float())
     scaler.scale(loss).backward()
     expected = _grads(audio_enc, text_enc, loss_fn)
+    rng_after_plain = _rng_states(device)
     _zero(audio_enc, text_enc, loss_fn)
 
     torch.manual_seed(8)
     cache = GradCache(lambda u, v: loss_fn(u.float(), v.float()), CHUNK, scaler=scaler)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=amp_dtype):
         got_loss = cache(audio_enc, a, text_enc, t)
     torch.testing.assert_close(got_loss, loss.detach())
+    for got_state, plain_state in zip(_rng_states(device), rng_after_plain, strict=True):
+        assert torch.equal(got_state, plain_state)
     got = _grads(audio_enc, text_enc, loss_fn)
     assert sorted(got) == sorted(expected)
-    for key in expected:  # bf16 matmuls per chunk vs over the batch: a few bf16 ulps (2**-8)
+    for key in expected:  # half-precision matmuls per chunk vs over the batch: a few ulps
         bound = 2.0**-5 * float(expected[key].abs().max())
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=bound, msg=key)
-    # and scaled once, not per chunk: the unscaled cached step is exactly 2**10 times smaller
-    # (a power of two commutes with rounding)
+    # and scaled once, not per chunk: the unscaled cached step is 2**10 times smaller
+    # (exactly: a power of two commutes with rounding)
     _zero(audio_enc, text_enc, loss_fn)
     torch.manual_seed(8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=amp_dtype):
         GradCache(lambda u, v: loss_fn(u.float(), v.float()), CHUNK)(audio_enc, a, text_enc, t)
     unscaled = _grads(audio_enc, text_enc, loss_fn)
     for key in expected:
