@@ -39,6 +39,7 @@ API_MODULES = [
     "contrastive_losses.ask",
     "contrastive_losses.bank",
     "contrastive_losses.ot",
+    "contrastive_losses.grad_cache",
     "contrastive_losses.metrics",
     "contrastive_losses.diagnostics",
     "contrastive_losses.distributed",

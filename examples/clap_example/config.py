@@ -270,13 +270,18 @@ def _add_loss_args(p: argparse.ArgumentParser) -> None:
         help="ASK: kNN search backend",
     )
     _add_flag(
-        g, "--grad-cache", False, "GradCache the text tower (KCL: K*B captions in the memory of B)"
+        g,
+        "--grad-cache",
+        False,
+        "GradCache both towers (contrastive_losses.GradCache: the encoders' activations of "
+        "one chunk, not of the batch; KCL's K*B captions in the memory of B)",
     )
     g.add_argument(
         "--grad-cache-chunk",
         type=int,
         default=None,
-        help="captions per chunk (default: batch size)",
+        help="clips and captions per chunk (default: batch size); batch-norm layers see "
+        "each chunk's statistics",
     )
 
 

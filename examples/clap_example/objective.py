@@ -200,34 +200,48 @@ def running_stats(module: nn.Module) -> list[Tensor]:
     return [b for m in norms for b in m.buffers(recurse=False) if b is not None]
 
 
+class _Tower(nn.Module):
+    """One tower of the model under the run's autocast, returning float32 embeddings: a
+    Module, so that :class:`~contrastive_losses.GradCache` finds its batch-norm layers."""
+
+    def __init__(self, trainable: Trainable, audio: bool) -> None:
+        super().__init__()
+        self.trainable = trainable
+        self.audio = audio
+
+    def forward(self, first: Tensor, second: Tensor) -> Tensor:
+        model = self.trainable.model
+        with self.trainable.autocast():
+            if self.audio:  # (waveform, lengths)
+                out = model.encode_audio(first, second)
+            else:  # (input_ids, attention_mask), trimmed to this chunk's longest caption
+                width = int(second.sum(1).max())
+                out = model.encode_text(first[:, :width], second[:, :width])
+        return out.float()
+
+
 def grad_cache_backward(
     trainable: Trainable,
     scaler: torch.amp.GradScaler,
     inputs: tuple[Tensor, Tensor, Tensor, Tensor],
     arrange: Callable[[Tensor, Tensor], Arranged],
     chunk: int,
-    device: torch.device,
 ) -> tuple[Tensor, dict[str, Any]]:
-    """Loss and gradients with the text tower GradCached: captions embedded without a graph in
-    chunks of ``chunk``, the loss's gradient pushed back through each chunk again."""
-    from .gradcache import backward_chunks, embed_without_grad, split_chunks
+    """Loss and gradients with both towers GradCached (:class:`~contrastive_losses.GradCache`):
+    clips and captions embedded without a graph in chunks of ``chunk`` rows, the loss once,
+    its gradient pushed back through each chunk again. Batch-norm layers (the CED's mel-band
+    norm) see each chunk's statistics, as each rank's under DDP."""
+    from contrastive_losses import GradCache
 
     waveform, lengths, input_ids, attention_mask = inputs
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-
-    def encode(part: dict[str, Tensor]) -> Tensor:
-        # Trim each chunk's padding to its own longest caption (less work, same result).
-        width = int(part["attention_mask"].sum(1).max())
-        with trainable.autocast():
-            out = trainable.model.encode_text(
-                part["input_ids"][:, :width], part["attention_mask"][:, :width]
-            )
-        return out.float()
-
-    cached = embed_without_grad(encode, split_chunks(batch, chunk), device)
-    with trainable.autocast():
-        audio = trainable.model.encode_audio(waveform, lengths)
-    loss, terms = trainable.compute_loss(audio.float(), cached.embeddings, arrange)
-    scaler.scale(loss).backward()
-    backward_chunks(encode, cached)
+    cache = GradCache(
+        lambda audio, text: trainable.compute_loss(audio, text, arrange),
+        chunk,
+        scaler=scaler,
+        batch_norm="per_chunk",
+    )
+    loss, terms = cache(
+        _Tower(trainable, audio=True), (waveform, lengths),
+        _Tower(trainable, audio=False), (input_ids, attention_mask),
+    )  # fmt: skip
     return loss, terms

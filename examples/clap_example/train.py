@@ -195,7 +195,7 @@ class Trainer:
             chunk = args.grad_cache_chunk or args.batch_size
             loss, terms = grad_cache_backward(
                 self.trainable, self.scaler, (waveform, lengths, input_ids, attention_mask),
-                arrange, chunk, self.device
+                arrange, chunk
             )  # fmt: skip
             allreduce_gradients(self.params, self.world)
         else:

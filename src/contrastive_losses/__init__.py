@@ -14,6 +14,7 @@ from ._checks import set_default_validate_args
 from .ask import ASKLoss
 from .bank import KnowledgeBank
 from .cacl import sample_languages
+from .grad_cache import GradCache
 from .losses import CACLLoss, ContrastivePair, InfoNCELoss, KCLLoss, SigLIPLoss
 from .svr import RadiusPredictor, SupportVectorRegularizer
 
@@ -23,6 +24,7 @@ __all__ = [
     "ASKLoss",
     "CACLLoss",
     "ContrastivePair",
+    "GradCache",
     "InfoNCELoss",
     "KCLLoss",
     "KnowledgeBank",

@@ -1,0 +1,366 @@
+r"""Gradient caching: any loss of this library at a batch whose encoder activations do not fit.
+
+Gao et al. 2021, *Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup*
+(RepL4NLP). The loss needs every embedding of the batch; the encoders' activations for
+backward need not all exist at once. With :math:`f` the audio encoder, :math:`g` the text
+encoder, :math:`\mathcal{L}` the loss, and the batch split into chunks :math:`c`:
+
+1. :math:`u_c = f(a_c)`, :math:`v_c = g(t_c)` for every chunk **without autograd**, the RNG
+   state (CPU and every CUDA device the chunk touches) saved before each chunk;
+2. :math:`\ell = \mathcal{L}(u, v)` on the concatenated embeddings made leaf tensors, and
+   ``backward``: the loss's own parameters get their gradient, and
+   :math:`\partial \ell / \partial u`, :math:`\partial \ell / \partial v` are *cached*;
+3. each chunk re-encoded **with** autograd under its saved RNG state (same dropout masks) and
+   back-propagated with its slice of the cached gradient:
+   :math:`\nabla_\theta \ell = \sum_c (\partial u_c / \partial \theta)^\top
+   \, \partial \ell / \partial u_c`.
+
+Step 3 recomputes exactly what step 1 computed, so the gradients are those of the plain step
+up to float summation order; one extra forward of each encoder is the cost, and the largest
+set of activations alive at once is one chunk's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["GradCache"]
+
+Inputs = Tensor | Mapping[str, Tensor] | Sequence[Tensor]
+_BATCH_NORM_MODES = ("error", "per_chunk")
+
+
+def _rows(inputs: Inputs, name: str) -> int:
+    """The common dim-0 size of every tensor of ``inputs`` (checked)."""
+    if isinstance(inputs, Tensor):
+        tensors: list[tuple[str, Any]] = [(name, inputs)]
+    elif isinstance(inputs, Mapping):
+        tensors = [(f"{name}[{k!r}]", v) for k, v in inputs.items()]
+    elif isinstance(inputs, Sequence) and not isinstance(inputs, str):
+        tensors = [(f"{name}[{i}]", v) for i, v in enumerate(inputs)]
+    else:
+        raise TypeError(
+            f"{name}: expected a Tensor, a mapping of tensors (a tokenizer's output) or a "
+            f"tuple/list of tensors, got {type(inputs).__name__}"
+        )
+    if not tensors:
+        raise ValueError(f"{name}: no tensors to split (empty {type(inputs).__name__})")
+    sizes = {}
+    for label, value in tensors:
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{label}: expected a Tensor, got {type(value).__name__}")
+        if value.dim() == 0:
+            raise ValueError(f"{label}: expected at least one dimension to split, got a 0-d tensor")
+        sizes[label] = value.shape[0]
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"{name}: every tensor must have the same size along dim 0, got {sizes}")
+    n = next(iter(sizes.values()))
+    if n == 0:
+        raise ValueError(f"{name}: empty batch (0 rows along dim 0)")
+    return n
+
+
+def _split(inputs: Inputs, chunk_size: int) -> list[Inputs]:
+    """``inputs`` cut along dim 0 into chunks of ``chunk_size`` rows (views, no copy)."""
+    if isinstance(inputs, Tensor):
+        return list(inputs.split(chunk_size))
+    if isinstance(inputs, Mapping):
+        parts = {k: v.split(chunk_size) for k, v in inputs.items()}
+        count = len(next(iter(parts.values())))
+        return [{k: p[i] for k, p in parts.items()} for i in range(count)]
+    columns = [v.split(chunk_size) for v in inputs]
+    return [tuple(c[i] for c in columns) for i in range(len(columns[0]))]
+
+
+def _call(encoder: Callable[..., Tensor], chunk: Inputs, name: str) -> Tensor:
+    """``encoder(chunk)``; a mapping is passed as keywords, a tuple/list as positionals."""
+    if isinstance(chunk, Tensor):
+        out = encoder(chunk)
+    elif isinstance(chunk, Mapping):
+        out = encoder(**chunk)
+    else:
+        out = encoder(*chunk)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"{name}: the encoder must return a Tensor of embeddings, got {type(out).__name__} "
+            "(wrap it: lambda **x: model(**x).pooler_output)"
+        )
+    return out
+
+
+def _owner(encoder: Callable[..., Any]) -> nn.Module | None:
+    """The Module behind ``encoder``: itself, or the object of a bound method."""
+    if isinstance(encoder, nn.Module):
+        return encoder
+    owner = getattr(encoder, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _training_batch_norms(module: nn.Module | None) -> list[str]:
+    if module is None:
+        return []
+    return [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+
+
+def _tensors(inputs: Inputs) -> list[Tensor]:
+    if isinstance(inputs, Tensor):
+        return [inputs]
+    return list(inputs.values()) if isinstance(inputs, Mapping) else list(inputs)
+
+
+@dataclass
+class _RngState:
+    """The CPU generator's state and the state of each given CUDA device's generator
+    (what :func:`torch.utils.checkpoint.checkpoint` saves for its recompute)."""
+
+    cpu: Tensor
+    cuda: list[Tensor]
+    devices: list[int]
+
+    @classmethod
+    def capture(cls, devices: list[int]) -> _RngState:
+        return cls(torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], devices)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the block from this state; every generator is put back as found on exit."""
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.devices, self.cuda, strict=True):
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+
+def _cuda_devices(inputs: Inputs, owner: nn.Module | None) -> list[int]:
+    tensors = _tensors(inputs) + (list(owner.parameters()) if owner is not None else [])
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
+@dataclass
+class _Tower:
+    """One encoder's cached pass: its chunks, their RNG states, its leaf embeddings."""
+
+    name: str
+    encoder: Callable[..., Tensor]
+    chunks: list[Inputs]
+    states: list[_RngState]
+    embeddings: Tensor
+
+
+def _snapshot_batch_norms(module: nn.Module | None) -> list[tuple[Tensor, Tensor]]:
+    """(buffer, copy) of every batch-norm buffer, to undo a replay's statistics update."""
+    if module is None:
+        return []
+    return [
+        (b, b.detach().clone())
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for b in m.buffers(recurse=False)
+        if b is not None
+    ]
+
+
+class GradCache:
+    r"""One training step of ``loss_fn`` on two encoders, in the memory of ``chunk_size`` rows.
+
+    ``loss = cache(audio_encoder, audio_inputs, text_encoder, text_inputs, **loss_kwargs)``
+    leaves in every ``.grad`` what
+    ``loss_fn(audio_encoder(audio_inputs), text_encoder(text_inputs), **loss_kwargs).backward()``
+    leaves -- both encoders' parameters and the loss's own (a learnable temperature, SigLIP's
+    bias, SVR's radius or :class:`~contrastive_losses.RadiusPredictor`) -- while no encoder
+    ever holds the autograd graph of more than ``chunk_size`` rows (Gao et al. 2021):
+
+    1. each encoder runs on chunks of ``chunk_size`` rows under :func:`torch.no_grad`, the
+       RNG state (CPU and the CUDA devices of the chunk and of the encoder's parameters, as
+       :func:`torch.utils.checkpoint.checkpoint` saves it) kept before each chunk;
+    2. ``loss_fn`` runs once on the concatenated embeddings, leaf tensors, and is
+       back-propagated (through ``scaler.scale(loss)`` when a ``scaler`` is given, so the
+       cached gradients are scaled once);
+    3. each chunk runs again with autograd under its saved RNG state (dropout draws the same
+       masks) and ``backward`` pushes its slice of the cached gradient into the encoder.
+
+    Afterwards every generator is in the state the plain step leaves. The cost is one extra
+    forward of each encoder; the memory is one chunk's activations plus the ``(B, D)``
+    embeddings and the loss's own memory (tile the loss with its ``chunk_size`` when the
+    ``B x B`` logits are the larger part: the two compose).
+
+    Args:
+        loss_fn: a loss of this library (any ``Module`` or function taking
+            ``(audio_embeddings, text_embeddings, **loss_kwargs)`` and returning a scalar or
+            ``(scalar, terms)``). For other layouts pass a function: CACL with English and
+            another language stacked in ``text_inputs`` is
+            ``lambda a, t, **kw: cacl(a, t[:B], t[B:], **kw)``.
+        chunk_size: rows of ``audio_inputs`` / ``text_inputs`` (their dim 0) per encoder
+            call, ``>= 1``.
+        scaler: a :class:`torch.amp.GradScaler` (AMP with float16): the loss is scaled before
+            its backward, hence every cached gradient and every encoder gradient; call
+            ``scaler.step(optimizer)`` and ``scaler.update()`` afterwards as usual. ``None``
+            (default): no scaling (float32, bfloat16).
+        batch_norm: a batch-norm layer in training mode inside an encoder normalises each
+            chunk by the chunk's statistics, not the batch's, so the step is no longer the
+            plain step. ``"error"`` (default) refuses it with a ``ValueError`` when the
+            encoder's inputs span more than one chunk (put those layers in ``eval()`` or use
+            LayerNorm / GroupNorm); ``"per_chunk"`` accepts the chunk statistics, as DDP
+            without ``SyncBatchNorm`` accepts each rank's (the gradient is then exact for
+            that per-chunk forward). Either way the replay does not update the running
+            statistics a second time; the encoder must be an ``nn.Module`` (or a bound
+            method of one) for GradCache to find them.
+
+    Call:
+        ``cache(audio_encoder, audio_inputs, text_encoder, text_inputs, **loss_kwargs)``.
+        Each encoder is a callable (a Module, a bound method); its inputs are a tensor, a
+        mapping of tensors (a tokenizer's output, passed as keywords: ``encoder(**chunk)``)
+        or a tuple/list of tensors (passed as positionals), split along dim 0. K captions
+        per clip: give ``text_inputs`` as ``(B, K, L)`` tokens to a text encoder that
+        returns ``(b, K, D)``, and KCL's ``mask=`` among ``loss_kwargs``; or flatten the
+        captions to ``(B*K, L)`` and reshape in ``loss_fn``. ``loss_kwargs`` go to
+        ``loss_fn`` unchanged (``mask=``, ``ids=``, ``return_terms=True``, ...). Under
+        ``torch.autocast`` both passes run under it. An encoder that is a
+        :class:`~torch.nn.parallel.DistributedDataParallel` module re-runs every chunk but
+        its last under ``no_sync()``: its gradients are all-reduced once per step. A loss
+        with ``gather=True`` gathers the embeddings across ranks as it does in the plain
+        step (its own parameters are not DDP's business here any more than in the plain
+        step: wrap the loss in DDP too, or average them, as you would there).
+
+    Returns:
+        The loss, detached (``(loss, terms)`` when ``loss_fn`` returns a pair).
+
+    Shape:
+        - ``audio_inputs``: ``(B, ...)``; ``text_inputs``: ``(B_t, ...)`` (``B_t = B``,
+          ``B*K``, ``2B``: whatever ``loss_fn`` pairs with the audio).
+        - The encoders' outputs: ``(b, D)`` (or ``(b, K, D)``) per chunk of ``b`` rows,
+          concatenated along dim 0 into ``(B, D)`` / ``(B_t, D)``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from contrastive_losses import GradCache, InfoNCELoss
+        >>> audio_enc, text_enc = nn.Linear(6, 4), nn.Linear(5, 4)
+        >>> cache = GradCache(InfoNCELoss(temperature=0.1), chunk_size=2)
+        >>> loss = cache(audio_enc, torch.randn(8, 6), text_enc, torch.randn(8, 5))
+        >>> loss.requires_grad, audio_enc.weight.grad.shape
+        (False, torch.Size([4, 6]))
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        chunk_size: int,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        batch_norm: Literal["error", "per_chunk"] = "error",
+    ) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable loss, got {type(loss_fn).__name__}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+        if scaler is not None and not callable(getattr(scaler, "scale", None)):
+            raise TypeError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if batch_norm not in _BATCH_NORM_MODES:
+            raise ValueError(f"batch_norm: expected one of {_BATCH_NORM_MODES}, got {batch_norm!r}")
+        self.loss_fn = loss_fn
+        self.chunk_size = chunk_size
+        self.scaler = scaler
+        self.batch_norm = batch_norm
+
+    def __repr__(self) -> str:
+        return (
+            f"GradCache({self.loss_fn!r}, chunk_size={self.chunk_size}, "
+            f"scaler={self.scaler!r}, batch_norm={self.batch_norm!r})"
+        )
+
+    def __call__(
+        self,
+        audio_encoder: Callable[..., Tensor],
+        audio_inputs: Inputs,
+        text_encoder: Callable[..., Tensor],
+        text_inputs: Inputs,
+        **loss_kwargs: Any,
+    ) -> Any:
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "GradCache: called with gradients disabled (torch.no_grad / inference_mode); "
+                "it runs a backward pass, call it in the training step"
+            )
+        towers = [
+            self._encode("audio_encoder", audio_encoder, audio_inputs, "audio_inputs"),
+            self._encode("text_encoder", text_encoder, text_inputs, "text_inputs"),
+        ]
+        out = self.loss_fn(towers[0].embeddings, towers[1].embeddings, **loss_kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn: GradCache needs a scalar loss to back-propagate, got {shape} "
+                "(reduction='none'? reduce it in loss_fn)"
+            )
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self._replay(towers)
+        detached = loss.detach()
+        return (detached, *out[1:]) if isinstance(out, tuple) else detached
+
+    def _encode(
+        self, name: str, encoder: Callable[..., Tensor], inputs: Inputs, inputs_name: str
+    ) -> _Tower:
+        """Step 1 for one encoder: chunks under ``no_grad``, RNG state before each."""
+        if not callable(encoder):
+            raise TypeError(f"{name}: expected a callable encoder, got {type(encoder).__name__}")
+        rows = _rows(inputs, inputs_name)
+        owner = _owner(encoder)
+        norms = _training_batch_norms(owner) if rows > self.chunk_size else []
+        if norms and self.batch_norm == "error":
+            raise ValueError(
+                f"{name}: batch-norm layers in training mode ({', '.join(norms[:4])}) normalise "
+                "each chunk by its own statistics, so GradCache would not give the plain step; "
+                "put them in eval() (or use LayerNorm/GroupNorm), or pass "
+                "GradCache(..., batch_norm='per_chunk') to accept the per-chunk statistics"
+            )
+        devices = _cuda_devices(inputs, owner)
+        chunks = _split(inputs, self.chunk_size)
+        states, outputs = [], []
+        with torch.no_grad():
+            for chunk in chunks:
+                states.append(_RngState.capture(devices))
+                outputs.append(_call(encoder, chunk, name))
+        embeddings = torch.cat(outputs).detach().requires_grad_(True)
+        return _Tower(name, encoder, chunks, states, embeddings)
+
+    def _replay(self, towers: list[_Tower]) -> None:
+        """Step 3: re-encode each chunk with autograd and back-propagate its cached slice;
+        a DDP encoder all-reduces on its last chunk only."""
+        runs = [
+            (tower, i) for tower in towers if tower.embeddings.grad is not None
+            for i in range(len(tower.chunks))
+        ]  # fmt: skip
+        last = {id(tower.encoder): n for n, (tower, _) in enumerate(runs)}
+        stop: set[int] = set()  # towers whose encoder has nothing to train
+        offsets = {id(tower): 0 for tower in towers}
+        for n, (tower, i) in enumerate(runs):
+            if id(tower) in stop:
+                continue
+            grad = tower.embeddings.grad
+            assert grad is not None  # runs holds only towers the loss reached
+            no_sync = getattr(tower.encoder, "no_sync", None)
+            sync_off = no_sync() if callable(no_sync) and last[id(tower.encoder)] != n else None
+            saved = _snapshot_batch_norms(_owner(tower.encoder))
+            with sync_off or contextlib.nullcontext(), tower.states[i].replay():
+                out = _call(tower.encoder, tower.chunks[i], tower.name)
+                start = offsets[id(tower)]
+                offsets[id(tower)] = start + out.shape[0]
+                if out.requires_grad:
+                    out.backward(grad[start : start + out.shape[0]].to(out.dtype))
+                else:
+                    stop.add(id(tower))  # a frozen encoder: nothing to back-propagate
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
