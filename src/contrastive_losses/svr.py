@@ -41,6 +41,7 @@ from ._common import (
     _written_value,
     check_radius,
 )
+from ._docs import init_doc
 from ._kernels import (
     _distance,
     _gram,
@@ -394,6 +395,7 @@ def _check_similarity_peak(s: Tensor) -> None:
         )
 
 
+@init_doc
 class RadiusPredictor(nn.Module):
     r"""The dynamic semantic radius of SupCLAP: a 3-layer MLP from an anchor's similarity
     row to its radius :math:`R_i`.
@@ -608,6 +610,7 @@ def _check_regularizer_settings(
         raise TypeError(f"constraint: expected None, True or False, got {constraint!r}")
 
 
+@init_doc
 class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
     r"""SupCLAP's support vector regularisation around any loss of this library.
 
