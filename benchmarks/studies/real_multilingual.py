@@ -370,7 +370,8 @@ def make_loss(method: str, seed: int) -> nn.Module:
     base = base_loss(method)
     if method.startswith("svr_"):
         radius = method.removeprefix("svr_")
-        return SupportVectorRegularizer(base, radius=radius, validate_args=False)
+        # beta 0.01 (SupCLAP's): the recorded run's, the library's default before issue 42
+        return SupportVectorRegularizer(base, radius=radius, beta=0.01, validate_args=False)
     return base
 
 
