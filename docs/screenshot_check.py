@@ -1,4 +1,4 @@
-"""Build the docs, check every page at 1280 px, and screenshot some.
+r"""Build the docs, check every page at 1280 px, and screenshot some.
 
     python docs/screenshot_check.py                 # build into docs/_build/screenshot
     python docs/screenshot_check.py --html DIR      # check an existing HTML build
@@ -16,7 +16,11 @@ blank, the maths did not typeset, or any page
   by ``benchmarks/studies/common.save_figure`` records its smallest text in pixels
   (``cl-min-font-px``), scaled here by the width the page shows it at; another image
   may not be shown at under ``MIN_SCALE`` of its natural width;
-* is long (over 3000 px) with no visible "On this page" list.
+* is long (over 3000 px) with no visible "On this page" list;
+* shows a lost escape (read from the HTML, no browser needed): a control character in
+  the text, or a TAB inside maths, where a docstring that is not raw turned ``\tau``
+  into a TAB and "au" (``\frac``, ``\beta``, ``\alpha`` into a form feed, backspace
+  or bell and the rest of the word).
 
 It prints one line per page and the PNG paths, and a total.
 
@@ -35,6 +39,7 @@ import html as html_lib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -323,10 +328,38 @@ def figure_problems(page: Path, images: list[dict]) -> list[str]:
     return problems
 
 
+# Characters a lost escape leaves in a page: bell, backspace, vertical tab, form feed and
+# the other C0 controls (TAB, LF and CR are layout); inside maths a TAB too.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_MATH = re.compile(r"\\\((.*?)\\\)|\\\[(.*?)\\\]", re.S)
+_NAMES = {"\t": "TAB", "\x07": "BEL", "\x08": "BS", "\x0b": "VT", "\x0c": "FF"}
+
+
+def escape_problems(text: str) -> list[str]:
+    r"""Lost escapes in a page's HTML ``text`` (see the module doc), with their context:
+    ``1/<TAB>au`` is the ``1/\tau`` of a docstring that is not raw."""
+
+    def shown(snippet: str) -> str:
+        for char, name in _NAMES.items():
+            snippet = snippet.replace(char, f"<{name}>")
+        return _CONTROL.sub(lambda m: f"<0x{ord(m.group()):02x}>", snippet)
+
+    problems = []
+    for m in _CONTROL.finditer(text):
+        context = text[max(0, m.start() - 30) : m.end() + 10]
+        problems.append(f"lost escape: control character in {shown(context)!r}")
+    for m in _MATH.finditer(text):
+        math = m.group(1) if m.group(1) is not None else m.group(2)
+        if "\t" in math:
+            problems.append(f"lost escape: TAB in maths {shown(math[:60])!r} (a \\t... command)")
+    return problems
+
+
 def page_problems(html: Path, page: str) -> list[str]:
     """Everything LAYOUT_PROBE finds wrong on ``page`` at WIDTH px; prints a summary."""
     found = layout(html / f"{page}.html")
-    problems = [f"cut: {c}" for c in found["cut"]]
+    problems = escape_problems((html / f"{page}.html").read_text(encoding="utf-8"))
+    problems += [f"cut: {c}" for c in found["cut"]]
     problems += [f"error box: {e}" for e in found.get("errors", [])]
     problems += [f"word broken in a table cell: {w!r}" for w in found.get("broken", [])]
     problems += figure_problems(html / f"{page}.html", found.get("images", []))

@@ -24,6 +24,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from helpers import load_file_module
 
 import contrastive_losses
 
@@ -61,6 +62,7 @@ def test_sphinx_html_and_doctest(html_build: tuple[Path, Path]) -> None:
     for page in ("index", "methods/kcl", "api/index", "api/generated/contrastive_losses"):
         assert (out / "html" / f"{page}.html").is_file(), page
     check_api_entries(out / "html")
+    check_lost_escapes(out / "html")
     check_mathjax(out / "html")
     check_real_data_figures(out / "html")
     tests = _sphinx("doctest", out, doctrees)
@@ -126,7 +128,7 @@ def copied(html: Path, blocks: list[str]) -> list[str]:
 
 
 def test_copy_button_copies_whole_commands(html_build: tuple[Path, Path]) -> None:
-    """Every line of a continued (``\\``) or multi-line (``> ``) shell command is copied,
+    r"""Every line of a continued (``\``) or multi-line (``> ``) shell command is copied,
     without its prompt; a block without prompts is copied whole."""
     if shutil.which("node") is None:
         pytest.skip("node (Node.js) is not installed: it runs the built copybutton.js")
@@ -209,6 +211,17 @@ def check_api_entries(html: Path) -> None:
     assert not empty, f"API entries without a docstring: {empty}"
     typed = [name for name, kind, body in entries if "property" in kind and "Type:" in body]
     assert not typed, f"properties whose docstring napoleon read as 'Type: ...': {typed}"
+
+
+def check_lost_escapes(html: Path) -> None:
+    r"""No page shows a lost escape (``\tau`` of a docstring that is not raw turned into a
+    TAB and "au"): docs/screenshot_check.py's static check, on every page of the build."""
+    check = load_file_module("screenshot_check", DOCS / "screenshot_check.py")
+    problems = []
+    for page in sorted(html.rglob("*.html")):
+        found = check.escape_problems(page.read_text(encoding="utf-8"))
+        problems += [f"{page.relative_to(html)}: {p}" for p in found]
+    assert not problems, "\n".join(problems)
 
 
 def check_mathjax(html: Path) -> None:

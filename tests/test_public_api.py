@@ -139,7 +139,7 @@ SIGNATURES = {
     ),
     "contrastive_losses.SupportVectorRegularizer": (
         "(base: 'nn.Module', radius: 'str | float' = 'dynamic', direction: 'str' = 'bi', alpha: "
-        "'float' = 1.0, beta: 'float' = 0.01, constraint: 'bool | None' = None, radius_init: "
+        "'float' = 1.0, beta: 'float' = 1.0, constraint: 'bool | None' = None, radius_init: "
         "'float' = 0.1, num_features: 'int' = 32, hidden: 'int' = 64, temperature: 'float | None' "
         "= None, *, validate_args: 'bool | None' = None) -> 'None'"
     ),

@@ -87,3 +87,14 @@ def test_the_browser_probe_finds_error_boxes_and_broken_words(tmp_path: Path) ->
     assert any("admonition error" in p for p in boxes), problems
     assert "bad.html: word broken in a table cell: 'random_swap20'" in problems
     assert not any("'ok'" in p for p in problems)
+
+
+def test_lost_escapes_are_found_in_a_page() -> None:
+    # What the API page of KCLLoss.forward held on main: "1/\tau" in a non-raw docstring.
+    lost = '<span class="math notranslate nohighlight">\\(1/\tau\\)</span>'
+    (problem,) = check.escape_problems(f"<p>logit_scale: {lost}</p>")
+    assert problem == "lost escape: TAB in maths '1/<TAB>au' (a \\t... command)"
+    (problem,) = check.escape_problems("<p>\\(\x0crac{1}{2}\\)</p>")  # \frac
+    assert "control character" in problem and "<FF>rac" in problem
+    fine = '<span class="math">\\(1/\\tau\\)</span><pre>\tindented code</pre>'
+    assert check.escape_problems(fine) == []

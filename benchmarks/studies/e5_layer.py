@@ -6,8 +6,9 @@ its 4-bit model (``e5-small-q4.bin``) but exposes only sentence embeddings. This
 
 - :func:`engine`: compiles a private copy of the wheel's ``e5.c`` with one exported
   function appended (``e5_states_batch``: the engine's tokens and the hidden states after
-  its first ``layers`` layers, from the engine's own ``forward_batch``), with the flags the
-  wheel was built with, into a cache folder (once per source), loaded with ``ctypes``.
+  its first ``layers`` layers, from the engine's own ``forward_batch``), with the wheel's
+  flags less the one that changes the process (:data:`CFLAGS`), into a cache folder (once
+  per source), loaded with ``ctypes``.
 - :func:`token_states`: the hidden states entering the last layer for a list of texts,
   exactly as the study's features are made (``'query: '`` prefix, the engine's tokenizer,
   ``<s>`` and ``</s>``), cached on disk (``(tokens, 384)`` float32 and offsets).
@@ -36,8 +37,22 @@ import real_data
 import torch
 from torch import Tensor, nn
 
-#: The flags the wheel's ``_engine*.so`` records (``strings``: GCC's command line).
-CFLAGS = "-O3 -mavx2 -mfma -funroll-loops -ffast-math -fno-strict-overflow -fopenmp -fPIC"
+#: The flags the wheel's ``_engine*.so`` records (``strings``: GCC's command line), with
+#: ``-ffast-math`` spelled as the code-generation options it stands for. ``-ffast-math``
+#: itself (like ``-Ofast`` and ``-funsafe-math-optimizations``) also links GCC's
+#: ``crtfastmath.o`` into the library, whose constructor turns on flush-to-zero and
+#: denormals-are-zero for the whole process when ``ctypes`` loads it: every subnormal in
+#: torch and numpy then reads 0 (issue 42: a later hypothesis test of the SVR failed).
+#: These options change how the engine's own code computes, not the process's FPU state;
+#: ``tests/test_no_process_side_effects.py`` checks both.
+CFLAGS = (
+    "-O3 -mavx2 -mfma -funroll-loops -fno-math-errno -fno-signed-zeros -fno-trapping-math "
+    "-fassociative-math -freciprocal-math -ffinite-math-only -fcx-limited-range "
+    "-fno-strict-overflow -fopenmp -fPIC"
+)
+#: Options that set the FPU's flush-to-zero / denormals-are-zero modes for the process
+#: that loads the library; never in :data:`CFLAGS`.
+PROCESS_WIDE_FLAGS = ("-ffast-math", "-Ofast", "-funsafe-math-optimizations", "-mdaz-ftz")
 #: Texts per call to the engine.
 CHUNK = 512
 
@@ -112,11 +127,25 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()[:16]
 
 
+def subnormals_survive() -> bool:
+    """Whether this thread keeps subnormal floats, in torch and in numpy (False once a
+    library turned on flush-to-zero / denormals-are-zero for the process)."""
+    tiny = np.finfo(np.float32).smallest_subnormal
+    return bool((torch.tensor(1e-40) * 1).item() != 0) and bool(tiny * np.float32(1) != 0)
+
+
 class Engine:
     """The patched engine: ``states(texts, layers) -> (ids, lens, hidden)``."""
 
     def __init__(self, lib_path: Path) -> None:
+        before = subnormals_survive()
         lib = ctypes.CDLL(str(lib_path))
+        if before and not subnormals_survive():
+            torch.set_flush_denormal(False)  # undo it for the process (x86: clears FTZ/DAZ)
+            raise RuntimeError(
+                f"e5 engine: loading {lib_path} turned on flush-to-zero for the process "
+                f"(built with one of {PROCESS_WIDE_FLAGS}?); delete it to rebuild"
+            )
         lib.e5_load.restype = ctypes.c_void_p
         lib.e5_load.argtypes = [ctypes.c_char_p]
         lib.e5_free.argtypes = [ctypes.c_void_p]

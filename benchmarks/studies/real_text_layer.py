@@ -1,4 +1,4 @@
-"""Real-data study, the text side where it can move: e5's own top layer trainable.
+r"""Real-data study, the text side where it can move: e5's own top layer trainable.
 
 Written before the run; the settings below were fixed on the validation split
 (``--probe``, which never evaluates test), results read after.
@@ -40,7 +40,7 @@ within each gallery), English -> X caption R@1 before stage 2 and after, paired
 differences against ``random`` seed by seed, and the CPU seconds of stage 2 (process
 time, one thread).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src:examples python benchmarks/studies/real_text_layer.py \\
+    OMP_NUM_THREADS=1 PYTHONPATH=src:examples python benchmarks/studies/real_text_layer.py \
         --manifests DIR --cache DIR --text-cache DIR [--probe] [--set STEPS=64]
 
 Writes ``benchmarks/results/studies/real_text_layer.{md,json}`` and a figure.

@@ -86,7 +86,13 @@ def _shape(x: Tensor) -> str:
 def check_tensor(x: object, name: str) -> Tensor:
     """``x`` must be a tensor; returns it for chaining."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        hint = ""
+        if isinstance(x, (list, tuple)) and x and all(isinstance(v, Tensor) for v in x):
+            hint = (
+                f" of {len(x)} tensors; stack them into one first: torch.stack({name}) "
+                "(a new leading dim; torch.cat to join along an existing one)"
+            )
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}{hint}")
     return x
 
 
@@ -249,6 +255,8 @@ def row_norms(
         ok = torch.isfinite(norms)
     if bool(ok.all()):
         return (norms if mask is None or not nonzero else norms.masked_fill(norms == 0, 1)), True
+    if mask is not None:
+        _check_absent_finite(x, name, mask)
     check_finite(x, name)
     if not nonzero:
         return norms, False
@@ -273,6 +281,18 @@ def row_norms(
             "and non-zero); rescale the embeddings or use a wider dtype"
         )
     return norms.to(x.dtype), False
+
+
+def _check_absent_finite(x: Tensor, name: str, mask: Tensor) -> None:
+    """Rows marked absent in ``mask`` hold no data but must be finite: say so by name."""
+    absent_bad = ~torch.isfinite(x).all(dim=-1) & ~mask
+    if bool(absent_bad.any()):
+        raise ValueError(
+            f"{name}: NaN/Inf in the masked-out (absent) row at index {_index(absent_bad)}; "
+            "rows the mask marks absent are ignored but must still be finite (a NaN reaches "
+            "the present rows' gradients through 0 * NaN): fill them with zeros, e.g. "
+            f"{name}.masked_fill(~mask[..., None], 0)"
+        )
 
 
 def check_embeddings(

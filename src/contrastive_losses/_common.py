@@ -661,7 +661,7 @@ class _TemperatureMixin(_LossSettings):
 
     @property
     def temperature(self) -> Tensor:
-        """Current temperature :math:`\\tau` as a 0-d tensor (differentiable if learnable;
+        r"""Current temperature :math:`\tau` as a 0-d tensor (differentiable if learnable;
         a fixed one in the buffer's dtype and on its device)."""
         if not self.learnable_temperature:
             buffer = self.log_logit_scale

@@ -5,15 +5,17 @@
 * it was built again while an earlier one of the same shape is alive whose radius got
   gradients but was left out of the optimizer (a regulariser built inside the training
   loop restarts its radius from ``radius_init`` at every step);
-* the radius sits above the anchor-positive distance for many optimizer steps
-  (SupCLAP's perpendicular pushes reversed).
+* the radius sits above the anchor-positive distance for a streak of optimizer steps
+  that is long for the run so far: at least ``over_distance_steps`` and at least
+  ``over_distance_share`` of the steps since training began, so a short fine-tune is
+  told as well as a long one (SupCLAP's perpendicular pushes reversed).
 
 Steps are optimizer steps (:mod:`~contrastive_losses._optimizer_steps`): gradient
 accumulation counts one per ``optimizer.step()``.
 
 Private: :class:`~contrastive_losses.svr.SupportVectorRegularizer` inherits it; the
 thresholds stay settable on the regulariser (``stuck_after``, ``over_distance_steps``,
-``over_distance_check_every``).
+``over_distance_share``, ``over_distance_check_every``).
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class _RadiusMonitor:
     radius_init: float
     base: nn.Module
     direction: str
+    beta: float
     # The thresholds, documented and set on the regulariser.
     stuck_after: int
     over_distance_steps: int
+    over_distance_share: float
     over_distance_check_every: int
 
     def _radius_parameters(self) -> list[nn.Parameter]:
@@ -129,7 +133,10 @@ class _RadiusMonitor:
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
         """One optimizer step: a step whose every batch had the radius above extends the
         streak, any other breaks it; read every ``over_distance_check_every`` steps (one
-        host sync), warned once at the user's ``optimizer.step()`` line."""
+        host sync) and warned once, at the user's ``optimizer.step()`` line, when it is at
+        least ``over_distance_steps`` long and covers at least ``over_distance_share`` of
+        the optimizer steps so far (a threshold that grows with the run: a short run is
+        told after a few dozen steps, a long one is not told of a brief excursion)."""
         above, self._over_step = self._over_step, None
         if self._over_done:
             return False
@@ -143,14 +150,16 @@ class _RadiusMonitor:
         if self._over_steps % self.over_distance_check_every != 0:
             return True
         count = int(self._over_streak)
-        if count < self.over_distance_steps:
+        needed = max(self.over_distance_steps, self.over_distance_share * self._over_steps)
+        if count < needed:
             return True
         self._over_done = True
         self._over_listening = False
         warn_at_caller(
             "svr over distance",
             "SupportVectorRegularizer: radius_over_distance stayed above 0.5 for "
-            f"{count} consecutive optimizer steps: for most anchors R > ||a+ - t||, where "
+            f"{count} consecutive optimizer steps (of {self._over_steps} so far, beta="
+            f"{self.beta:g}): for most anchors R > ||a+ - t||, where "
             "the factor 1 - R/||a+ - t|| is negative and the perpendicular pushes are "
             "reversed, not damped. Raise beta (the constraint weight; constraint=True for "
             "a static radius), lower radius_init, or fix the radius (see 'Where the radius "

@@ -48,6 +48,7 @@ from ._common import (
     _scale_setting,
     _temperature,
 )
+from ._docs import init_doc
 from ._warnings import told, warn_at_caller
 from .bank import KnowledgeBank
 from .distributed import (
@@ -586,6 +587,7 @@ def _search_backend(bank: KnowledgeBank, device: torch.device) -> str:
     return f"faiss {bank.index_type}"
 
 
+@init_doc
 class ASKLoss(nn.Module):
     r"""ASK loss with retrieval from a :class:`~contrastive_losses.bank.KnowledgeBank`.
 
@@ -763,7 +765,7 @@ class ASKLoss(nn.Module):
         *,
         logit_scale: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one batch: retrieve its knowledge from the bank, then :func:`ask`.
+        r"""The loss of one batch: retrieve its knowledge from the bank, then :func:`ask`.
 
         Args:
             audio: audio embeddings ``(B, D)``.

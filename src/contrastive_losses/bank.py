@@ -37,11 +37,13 @@ from ._bank_storage import (
     checked_pairs,
 )
 from ._checks import check_choice, check_int
+from ._docs import init_doc
 from .distributed import validate_together
 
 __all__ = ["KnowledgeBank"]
 
 
+@init_doc
 class KnowledgeBank:
     r"""Fine-grained bank of ``(audio, text, id)`` pairs with kNN search, plus prototypes.
 

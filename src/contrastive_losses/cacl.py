@@ -27,6 +27,7 @@ from ._common import (
     _scale_setting,
     _TemperatureMixin,
 )
+from ._docs import init_doc
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["CACLLoss", "cacl", "sample_languages"]
@@ -233,6 +234,7 @@ def _check_other_index(
         raise ValueError("other: points at captions that the mask marks absent")
 
 
+@init_doc
 class CACLLoss(_TemperatureMixin):
     r"""Audio–English co-anchor loss (ATRI); see :func:`contrastive_losses.functional.cacl`.
 
@@ -402,7 +404,7 @@ class CACLLoss(_TemperatureMixin):
         logit_scale: Tensor | None = None,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one batch, in either call form.
+        r"""The loss of one batch, in either call form.
 
         Args:
             audio: audio embeddings ``(B, D)``.

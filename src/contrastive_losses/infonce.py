@@ -25,6 +25,7 @@ from ._common import (
     _TemperatureMixin,
     _tile_width,
 )
+from ._docs import init_doc
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["InfoNCELoss", "info_nce"]
@@ -124,6 +125,7 @@ def info_nce(
     return _finish(loss, terms, return_terms)
 
 
+@init_doc
 class InfoNCELoss(_TemperatureMixin):
     r"""Symmetric InfoNCE (CLIP/CLAP loss); see :func:`contrastive_losses.functional.info_nce`.
 
@@ -176,7 +178,7 @@ class InfoNCELoss(_TemperatureMixin):
         logit_scale: Tensor | None = None,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one batch.
+        r"""The loss of one batch.
 
         Args:
             audio: audio embeddings ``(B, D)``.

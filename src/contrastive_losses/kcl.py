@@ -33,6 +33,7 @@ from ._common import (
     _scale_setting,
     _TemperatureMixin,
 )
+from ._docs import init_doc
 from ._kernels import (
     _NormalizedRowsMatmul,
     _per_language_ce,
@@ -361,6 +362,7 @@ def _all_languages(a: Tensor, t: Tensor, m: Tensor | None, glob: _Global) -> tup
     return a2t, t2a
 
 
+@init_doc
 class KCLLoss(_TemperatureMixin):
     r"""1-to-K contrastive loss (ATRI); see :func:`contrastive_losses.functional.kcl`.
 
@@ -413,7 +415,7 @@ class KCLLoss(_TemperatureMixin):
         logit_scale: Tensor | None = None,
         return_terms: bool = False,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one batch.
+        r"""The loss of one batch.
 
         Args:
             audio: audio embeddings ``(B, D)``.

@@ -22,6 +22,20 @@ Conventions (the ones of the ML-CLAP / ATRI / SupCLAP / ASK tables, see DESIGN.m
   r-th best relevant item.
 * Scalar summaries (R@k, mAP@k, MRV) are returned as Python ``float``; per-item results
   (ranks, per-language gap and distance) as tensors on the input's device.
+
+What each function takes (a wrong layout is refused with the function that fits):
+
+* :func:`retrieval_ranks`, :func:`recall_at_k`, :func:`map_at_k`: a similarity matrix
+  ``sim`` ``(Q, G)`` and a bool ``relevance`` ``(Q, G)`` or ``query_ids``/``gallery_ids``;
+  with neither, ``sim`` must be square (the relevant item of row ``i`` is column ``i``).
+  A relevance under which every gallery item is relevant to every query is refused (every
+  ranking would score 1); one under which a random ranking scores R@1 above 1/2 warns.
+* :func:`audio_text_retrieval`: embeddings, audio ``(N, D)`` and text ``(N, C, D)`` or
+  ``(N, D)``, one language.
+* :func:`retrieval_report`: embeddings, audio ``(N, D)`` and text ``(N, K, C, D)``;
+  ``(N, K, D)`` (KCLLoss's layout) with ``K`` language names; ``(N, C, D)`` with one.
+* :func:`embedding_gap`, :func:`embedding_distance`: text ``(N, K, D)``.
+* :func:`mean_rank_variance`: 1-based ranks ``(N, K)``.
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ from __future__ import annotations
 import csv
 import io
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -95,10 +110,20 @@ def _check_ks(k: object, name: str, n_gallery: int) -> tuple[int, ...]:
     return tuple(_check_int(v, name, 1, n_gallery, what) for v in k)
 
 
+# Said wherever a similarity-matrix function is handed something else.
+_FROM_EMBEDDINGS = (
+    "audio and text embeddings go to metrics.audio_text_retrieval(audio, text) "
+    "(metrics.retrieval_report(audio, text, languages) for several languages)"
+)
+
+
 def _check_sim(sim: object) -> Tensor:
     sim = check_tensor(sim, "sim")
     if sim.dim() != 2:
-        raise ValueError(f"sim: expected shape (Q, G) (queries x gallery), got {_shape(sim)}")
+        raise ValueError(
+            f"sim: expected shape (Q, G), a similarity matrix (queries x gallery), got "
+            f"{_shape(sim)}; {_FROM_EMBEDDINGS}"
+        )
     check_float(sim, "sim")
     if sim.shape[0] == 0 or sim.shape[1] == 0:
         raise ValueError(f"sim: needs at least one query and one gallery item, got {_shape(sim)}")
@@ -120,17 +145,22 @@ def _relevance_fn(
                 "relevance: pass either a relevance matrix or query_ids/gallery_ids, not both"
             )
         rel = check_tensor(relevance, "relevance").detach()
+        if rel.dtype != torch.bool:
+            raise TypeError(_relevance_dtype_message(rel, n_q, n_g))
         if tuple(rel.shape) != (n_q, n_g):
             raise ValueError(
                 f"relevance: expected shape ({n_q}, {n_g}) like sim, got {_shape(rel)}"
             )
-        if rel.dtype != torch.bool:
-            raise TypeError(
-                f"relevance: expected a bool tensor, got dtype {rel.dtype} (use relevance.bool())"
-            )
         if rel.device != sim.device:
             raise ValueError(f"relevance: on device {rel.device} but sim is on {sim.device}")
         return lambda a, b: rel[a:b]
+    if query_ids is None and gallery_ids is None and n_q != n_g:
+        raise ValueError(
+            f"sim: shape {_shape(sim)} is not square, and without relevance or "
+            "query_ids/gallery_ids the relevant item of query i is column i, which needs "
+            "Q == G; pass query_ids/gallery_ids (e.g. gallery_ids=caption_to_audio for A2T) "
+            f"or relevance; {_FROM_EMBEDDINGS}"
+        )
     if query_ids is None:
         qi = torch.arange(n_q, device=sim.device)
     else:
@@ -149,6 +179,54 @@ def _relevance_fn(
             ref_name="sim",
         )
     return _id_relevance(qi, gi)
+
+
+def _relevance_dtype_message(rel: Tensor, n_q: int, n_g: int) -> str:
+    """The TypeError for a non-bool relevance: a 0/1 mask of sim's shape is told to cast;
+    anything else (embeddings, scores) is told where embeddings go, not to cast: ``.bool()``
+    of an embedding matrix is True almost everywhere and every R@k would read 1.0."""
+    head = f"relevance: expected a bool tensor of shape ({n_q}, {n_g}) like sim"
+    got = f"got dtype {rel.dtype}, shape {_shape(rel)}"
+    binary = (
+        rel.dtype != torch.bool
+        and not rel.dtype.is_complex
+        and rel.device.type != "meta"
+        and tuple(rel.shape) == (n_q, n_g)
+        and bool(((rel == 0) | (rel == 1)).all())
+    )
+    if binary:
+        return f"{head}, {got} holding only 0 and 1 (use relevance.bool())"
+    return (
+        f"{head}, {got} that is no 0/1 mask; recall_at_k, map_at_k and retrieval_ranks take "
+        f"a similarity matrix sim (Q, G) and a bool relevance, or ids; {_FROM_EMBEDDINGS}"
+    )
+
+
+def _check_chance(sim: Tensor, n_relevant: Tensor, rel_name: str) -> None:
+    """Refuse a relevance under which every ranking is perfect, and warn where a random
+    ranking already scores R@1 above 1/2 (``n_relevant``: ``(Q,)`` relevant items per
+    query; its mean share of the gallery is the expected R@1 of a random ranking)."""
+    n_g = sim.shape[1]
+    if n_g < 2:
+        return
+    chance = float(n_relevant.double().mean()) / n_g
+    cast = (
+        f" (relevance.bool() of an embedding matrix looks like this; {_FROM_EMBEDDINGS})"
+        if rel_name == "relevance"
+        else ""
+    )
+    if chance >= 1.0:
+        raise ValueError(
+            f"{rel_name}: every gallery item is relevant to every query, so R@k, mAP@k and "
+            f"every rank read 1 whatever sim holds{cast}"
+        )
+    if chance > 0.5:
+        warnings.warn(
+            f"{rel_name}: {chance:.1%} of the (query, gallery) pairs are relevant, so a "
+            f"random ranking already scores R@1 = {chance:.2f} on average{cast}",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _id_relevance(query_ids: Tensor, gallery_ids: Tensor) -> BlockFn:
@@ -299,9 +377,24 @@ def _prepare_sim(
     gallery_ids: Tensor | None,
 ) -> tuple[Tensor, BlockFn, str]:
     s = _check_sim(sim).detach()
-    rel_fn = _relevance_fn(s, relevance, query_ids, gallery_ids)
+    rel_fn = _relevance_fn(s, relevance, query_ids, gallery_ids)  # validates the ids too
     rel_name = "relevance" if relevance is not None else "query_ids/gallery_ids"
+    _check_chance(s, _n_relevant(s, relevance, query_ids, gallery_ids), rel_name)
     return s, rel_fn, rel_name
+
+
+def _n_relevant(
+    s: Tensor, relevance: Tensor | None, query_ids: Tensor | None, gallery_ids: Tensor | None
+) -> Tensor:
+    """``(Q,)`` number of relevant gallery items of each query (inputs validated)."""
+    n_q, n_g = s.shape
+    if relevance is not None:
+        return relevance.detach().sum(dim=1)
+    qi = torch.arange(n_q, device=s.device) if query_ids is None else query_ids.detach()
+    gi = torch.arange(n_g, device=s.device) if gallery_ids is None else gallery_ids.detach()
+    values, counts = torch.unique(gi, return_counts=True)  # sorted
+    pos = torch.searchsorted(values, qi).clamp(max=len(values) - 1)  # (Q,)
+    return torch.where(values[pos] == qi, counts[pos], 0)
 
 
 def _sim_scan(
@@ -366,9 +459,15 @@ def retrieval_ranks(
         ``(Q,)`` int64 tensor on ``sim``'s device, values in ``[1, G]``.
 
     Raises:
-        ValueError: wrong shapes, NaN/Inf scores, a query with no relevant item, tensors on
-            different devices. TypeError: non-float ``sim``, non-bool ``relevance``,
-            non-integer ids.
+        ValueError: wrong shapes (a non-square ``sim`` without ``relevance`` or ids), NaN/Inf
+            scores, a query with no relevant item, a relevance under which every gallery
+            item is relevant to every query, tensors on different devices.
+        TypeError: non-float ``sim``, non-bool ``relevance`` (embeddings passed as
+            ``(audio, text)`` are pointed to :func:`audio_text_retrieval`), non-integer ids.
+
+    Warns:
+        UserWarning: when a random ranking would score R@1 above 1/2 under the relevance
+        (the mean share of relevant gallery items per query), so the numbers say little.
 
     Shape:
         - sim: :math:`(Q, G)`, Q queries, G gallery items.
@@ -549,6 +648,12 @@ def _check_audio_text(audio: object, text: object) -> tuple[Tensor, Tensor]:
     """audio (N, D), text (N, C, D) or (N, D); returns text as (N, C, D)."""
     audio = check_embeddings(audio, "audio", ndim=2, dims="(N, D)", min_batch=1, check_values=False)
     text = check_tensor(text, "text")
+    if text.dim() == 4:
+        raise ValueError(
+            f"text: expected shape (N, C, D) or (N, D) (one language), got {_shape(text)}; "
+            "captions in several languages (N, K, C, D) go to "
+            "metrics.retrieval_report(audio, text, languages)"
+        )
     if text.dim() == 2:
         text = text[:, None, :]
     text = check_embeddings(
@@ -725,10 +830,29 @@ def mean_rank_variance(ranks: Tensor) -> float:
         raise ValueError(f"ranks: needs at least one sample and one language, got {_shape(ranks)}")
     r = ranks.detach().double()
     check_finite(r, "ranks")
+    low = float(r.min())
+    if low < 1:
+        raise ValueError(
+            f"ranks: expected 1-based ranks (>= 1), got a minimum of {low:.4g}; rank each "
+            "language with metrics.retrieval_ranks and stack them on dim 1 (similarity "
+            "scores are no ranks)"
+        )
     return float((r - r.mean(dim=1, keepdim=True)).square().mean())
 
 
 def _check_multilingual(text: object, anchor: object, normalize: bool) -> tuple[Tensor, int]:
+    if isinstance(anchor, Tensor):
+        raise TypeError(
+            "anchor: expected an int (the anchor language's index on dim 1 of text), got a "
+            "Tensor; the function takes one text tensor (N, K, D), the K language versions "
+            f"of N sentences, not two embedding matrices ({_FROM_EMBEDDINGS})"
+        )
+    text = check_tensor(text, "text")
+    if text.dim() == 4:
+        raise ValueError(
+            f"text: expected shape (N, K, D), got {_shape(text)}; for captions (N, K, C, D) "
+            "pass text.transpose(1, 2).flatten(0, 1), caption c of clip i in K languages"
+        )
     text = check_embeddings(text, "text", ndim=3, dims="(N, K, D)", min_batch=1, check_values=False)
     n_lang = text.shape[1]
     if n_lang == 0:
@@ -886,6 +1010,88 @@ class RetrievalReport(dict[str, Any]):
         return buf.getvalue()
 
 
+_REPORT_LAYOUTS = "(N, K, C, D), (N, K, D) with K language names, or (N, C, D) with one name"
+
+
+def _language_names(languages: object) -> list[str] | None:
+    if languages is None:
+        return None
+    if isinstance(languages, str) or not isinstance(languages, Sequence):
+        raise TypeError(f"languages: expected a sequence of str, got {type(languages).__name__}")
+    names = list(languages)
+    if not all(isinstance(x, str) for x in names):
+        raise TypeError(f"languages: expected a sequence of str, got {names!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"languages: names must be distinct, got {names}")
+    return names
+
+
+def _report_text(
+    audio: Tensor, text: object, languages: object
+) -> tuple[Tensor, list[str], Callable[[Tensor], Tensor]]:
+    """``text`` validated as passed, the K language names, and the view that makes it
+    ``(N, K, C, D)``. Every check runs on the tensor as passed (the caller normalises it
+    before the view), so no message shows a shape or index the caller did not pass.
+
+    A 3-D text is ``(N, K, D)`` (K languages, one caption each: KCLLoss's layout) or
+    ``(N, C, D)`` (one language, C captions); ``languages`` says which: K names or one.
+    Without it only a middle dimension of 1 is unambiguous."""
+    text_t = check_tensor(text, "text")
+    names = _language_names(languages)
+    shape = _shape(text_t)
+    if text_t.dim() not in (3, 4):
+        raise ValueError(f"text: expected shape {_REPORT_LAYOUTS}, got {shape}")
+    text_t = check_embeddings(
+        text_t, "text", ndim=text_t.dim(), dims=_REPORT_LAYOUTS, min_batch=1, check_values=False
+    )
+    check_same_size(audio, "audio", text_t, "text", 0, "number of audio clips N")
+    check_same_size(audio, "audio", text_t, "text", -1, "embedding dimension D")
+    check_same_device_dtype([(audio, "audio"), (text_t, "text")])
+    if any(size == 0 for size in text_t.shape[1:-1]):
+        raise ValueError(f"text: needs at least one language and one caption, got {shape}")
+    if text_t.dim() == 3:
+        middle = text_t.shape[1]
+        if names is None and middle > 1:
+            raise ValueError(
+                f"text: shape {shape} is ambiguous: (N, K, D) with K = {middle} languages, "
+                f"one caption each (KCLLoss's layout), or (N, C, D) with one language and "
+                f"C = {middle} captions per clip; say which with languages=: {middle} names "
+                "for K languages, one name for one language (or pass (N, K, C, D): "
+                "text[:, :, None] for K languages, text[:, None] for one)"
+            )
+        if names is not None and len(names) not in (1, middle):
+            raise ValueError(
+                f"languages: {len(names)} name(s) {names} for text of shape {shape}, read as "
+                f"(N, K, D) with K = {middle} languages (pass {middle} names) or as (N, C, D) "
+                "with one language (pass one name)"
+            )
+        one_language = names is not None and len(names) == 1 and middle > 1
+        view = _one_language if one_language else _one_caption
+    else:
+        view = _as_is
+    n_lang = view(text_t).shape[1]
+    if names is None:
+        names = [f"lang{i}" for i in range(n_lang)]
+    elif len(names) != n_lang:
+        raise ValueError(
+            f"languages: {len(names)} name(s) {names} for K = {n_lang} languages in text "
+            f"of shape {shape}"
+        )
+    return text_t, names, view
+
+
+def _one_language(text: Tensor) -> Tensor:
+    return text[:, None]  # (N, C, D) -> (N, 1, C, D)
+
+
+def _one_caption(text: Tensor) -> Tensor:
+    return text[:, :, None]  # (N, K, D) -> (N, K, 1, D)
+
+
+def _as_is(text: Tensor) -> Tensor:
+    return text
+
+
 def retrieval_report(
     audio: Tensor,
     text: Tensor,
@@ -919,10 +1125,12 @@ def retrieval_report(
     Args:
         audio: audio embeddings.
         text: caption embeddings, ``(N, K, C, D)``: ``K`` languages, ``C`` captions per
-            clip; ``(N, C, D)`` means a single language. One caption per clip and language
-            is ``(N, K, 1, D)``.
+            clip. A 3-D text needs ``languages`` to say what dim 1 is: ``K`` names read it
+            as ``(N, K, D)``, ``K`` languages with one caption each (KCLLoss's layout);
+            one name as ``(N, C, D)``, one language with ``C`` captions. Without
+            ``languages`` a 3-D text is refused unless its dim 1 is 1.
         languages: ``K`` distinct names, in the order of dim 1 of ``text``
-            (default ``"lang0"``, ``"lang1"``, ...).
+            (default ``"lang0"``, ``"lang1"``, ...; required for a 3-D text, see above).
         anchor: index or name of the reference language for gap and distance (English).
         k: recall cut-offs, each in ``[1, N]``.
         map_k: mAP cut-off in ``[1, N]``.
@@ -935,7 +1143,8 @@ def retrieval_report(
 
     Shape:
         - audio: :math:`(N, D)`.
-        - text: :math:`(N, K, C, D)` or :math:`(N, C, D)`.
+        - text: :math:`(N, K, C, D)`; :math:`(N, K, D)` with ``K`` names; :math:`(N, C, D)`
+          with one name.
 
     Example:
         >>> import torch
@@ -955,36 +1164,8 @@ def retrieval_report(
     audio_t = check_embeddings(
         audio, "audio", ndim=2, dims="(N, D)", min_batch=1, check_values=False
     )
-    text_t = check_tensor(text, "text")
-    if text_t.dim() == 3:
-        text_t = text_t[:, None]
-    text_t = check_embeddings(
-        text_t, "text", ndim=4, dims="(N, K, C, D) or (N, C, D)", min_batch=1, check_values=False
-    )
-    check_same_size(audio_t, "audio", text_t, "text", 0, "number of audio clips N")
-    check_same_size(audio_t, "audio", text_t, "text", -1, "embedding dimension D")
-    check_same_device_dtype([(audio_t, "audio"), (text_t, "text")])
-    n, n_lang, c = text_t.shape[0], text_t.shape[1], text_t.shape[2]
-    if n_lang == 0 or c == 0:
-        raise ValueError(f"text: needs at least one language and one caption, got {_shape(text_t)}")
-
-    if languages is None:
-        names = [f"lang{i}" for i in range(n_lang)]
-    else:
-        if isinstance(languages, str) or not isinstance(languages, Sequence):
-            raise TypeError(
-                f"languages: expected a sequence of str, got {type(languages).__name__}"
-            )
-        names = list(languages)
-        if not all(isinstance(x, str) for x in names):
-            raise TypeError(f"languages: expected a sequence of str, got {names!r}")
-        if len(names) != n_lang:
-            raise ValueError(
-                f"languages: {len(names)} name(s) {names} for K = {n_lang} languages in text "
-                f"of shape {_shape(text_t)}"
-            )
-        if len(set(names)) != len(names):
-            raise ValueError(f"languages: names must be distinct, got {names}")
+    text_t, names, view = _report_text(audio_t, text, languages)
+    n, n_lang, c = view(text_t).shape[:3]
     if isinstance(anchor, str):
         if anchor not in names:
             raise ValueError(f"anchor: {anchor!r} is not one of languages {names}")
@@ -994,7 +1175,7 @@ def retrieval_report(
     ks, mk = _check_cutoffs(k, map_k, n, denominator)
 
     audio_n = _prepare(audio_t.detach(), "audio", normalize)  # (N, D)
-    text_n = _prepare(text_t.detach(), "text", normalize)  # (N, K, C, D)
+    text_n = view(_prepare(text_t.detach(), "text", normalize))  # (N, K, C, D)
     audio_ids = torch.arange(n, device=audio_n.device)  # (N,)
     caption_ids = audio_ids.repeat_interleave(c)  # (N*C,)
 

@@ -35,6 +35,7 @@ from ._common import (
     _tile_width,
     _value_dtype,
 )
+from ._docs import init_doc
 from ._kernels import _TiledSigmoid, distinct_ids
 from ._param_watch import ParameterWatch
 from ._warnings import warn_at_caller
@@ -44,7 +45,7 @@ __all__ = ["SigLIPLoss", "siglip"]
 
 
 def _check_scale(scale: float | Tensor, validate: bool = True) -> None:
-    """SigLIP's logit scale :math:`c = 1/\\tau`: the bound of :func:`_temperature` (a
+    r"""SigLIP's logit scale :math:`c = 1/\tau`: the bound of :func:`_temperature` (a
     tensor's value with ``validate`` only); a float below 2 warns, as a temperature above
     1/2 does (:func:`_warn_low_scale`)."""
     value = _checks.check_positive(scale, "scale", validate=validate)
@@ -253,6 +254,7 @@ def _dense_pair_losses(
 _WATCHED = ["scale", "bias"]
 
 
+@init_doc
 class SigLIPLoss(_LossSettings):
     r"""Pairwise sigmoid loss; see :func:`contrastive_losses.functional.siglip`.
 
@@ -333,7 +335,7 @@ class SigLIPLoss(_LossSettings):
 
     @property
     def scale(self) -> Tensor:
-        """Current logit scale :math:`c` (``exp`` of the stored :math:`\\log c`), a 0-d tensor."""
+        r"""Current logit scale :math:`c` (``exp`` of the stored :math:`\log c`), a 0-d tensor."""
         return self.log_scale.exp()
 
     @property

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 from .._common import _check_logit_scale, _LossSettings
+from .._docs import init_doc
 from ..distributed import counted_call, is_distributed, outer_settings, validate_together
 from ..infonce import InfoNCELoss, info_nce
 from ..siglip import SigLIPLoss, siglip
@@ -150,6 +151,7 @@ class _OpenClipSettings(nn.Module):
         return f"{self._repr}rank={self.rank}, world_size={self.world_size}"
 
 
+@init_doc
 class ClipLoss(_OpenClipSettings):
     r"""open_clip's ``ClipLoss``: symmetric InfoNCE on the model's logit scale.
 
@@ -317,6 +319,7 @@ class ClipLoss(_OpenClipSettings):
         return {"contrastive_loss": loss} if output_dict else loss
 
 
+@init_doc
 class SigLipLoss(_OpenClipSettings):
     r"""open_clip's ``SigLipLoss``: the pairwise sigmoid loss on the model's scale and bias.
 

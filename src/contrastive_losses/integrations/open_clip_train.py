@@ -105,6 +105,7 @@ class Installation:
     def __init__(self, chunk_size: int | None, svr: Mapping[str, Any] | None,
                  ids: Callable[[Tensor, Tensor], Tensor] | None,
                  validate_args: bool | None) -> None:  # fmt: skip
+        """Made by :func:`install` from its own arguments (see there); not built by hand."""
         self.options: dict[str, Any] = {
             "chunk_size": chunk_size,
             "svr": None if svr is None else dict(svr),
