@@ -227,7 +227,13 @@ def _add_loss_args(p: argparse.ArgumentParser) -> None:
         "--svr-direction", default="bi", choices=("uni", "bi"), help="SVR: text->audio or both"
     )
     g.add_argument("--svr-alpha", type=float, default=1.0, help="SVR term weight")
-    g.add_argument("--svr-beta", type=float, default=0.01, help="SVR radius penalty weight")
+    g.add_argument(
+        "--svr-beta",
+        type=float,
+        default=None,
+        help="SVR radius penalty weight (default: the library's, 1.0; SupCLAP's 0.01 lets the "
+        "dynamic radius run above ||a - t||: docs/methods/svr.rst, 'Why beta = 1')",
+    )
     g.add_argument(
         "--svr-radius-init", type=float, default=None, help="initial radius (None: the loss's)"
     )

@@ -69,8 +69,9 @@ def build_loss(args: argparse.Namespace) -> nn.Module:
         "radius": args.svr,
         "direction": args.svr_direction,
         "alpha": args.svr_alpha,
-        "beta": args.svr_beta,
     }
+    if args.svr_beta is not None:
+        kwargs["beta"] = args.svr_beta
     if args.svr_radius_init is not None:
         kwargs["radius_init"] = args.svr_radius_init
     return cl.SupportVectorRegularizer(**kwargs)

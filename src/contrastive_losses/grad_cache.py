@@ -30,6 +30,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ._docs import init_doc
+
 __all__ = ["GradCache"]
 
 Inputs = Tensor | Mapping[str, Tensor] | Sequence[Tensor]
@@ -170,6 +172,7 @@ def _snapshot_batch_norms(module: nn.Module | None) -> list[tuple[Tensor, Tensor
     ]
 
 
+@init_doc
 class GradCache:
     r"""One training step of ``loss_fn`` on two encoders, in the memory of ``chunk_size`` rows.
 
