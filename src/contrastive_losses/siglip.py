@@ -108,6 +108,7 @@ def _model_scale_bias(
     return scale, bias
 
 
+@_compat.autocast_off
 def siglip(
     audio: Tensor,
     text: Tensor,

@@ -231,6 +231,7 @@ def _assemble_features(s_pos: Tensor, top: Tensor, row_min: Tensor) -> Tensor:
     return torch.cat([s_pos[..., None], top], dim=-1)
 
 
+@_compat.autocast_off
 def support_vector_term(
     anchor: Tensor,
     candidates: Tensor,
@@ -800,6 +801,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         return cast(Tensor, self.base.temperature)
 
     @counted_call
+    @_compat.autocast_off
     def forward(
         self,
         *args: Any,
