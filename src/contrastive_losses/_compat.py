@@ -96,15 +96,15 @@ def matmul_supported(x: torch.Tensor) -> bool:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_AUTOCAST_DEVICES = ("cpu", "cuda")  # have autocast in every torch (no query needed)
 
 
 def _autocast_enabled(device_type: str) -> bool:
     """Whether an autocast region is on for ``device_type`` (torch < 2.4: CUDA and CPU
     only, the two it has)."""
     if TORCH[:2] >= (2, 4):  # (asked of a device without autocast, "meta", it raises)
-        return torch.amp.is_autocast_available(device_type) and bool(
-            torch.is_autocast_enabled(device_type)
-        )
+        known = device_type in _AUTOCAST_DEVICES or torch.amp.is_autocast_available(device_type)
+        return known and bool(torch.is_autocast_enabled(device_type))
     if device_type == "cuda":
         return bool(torch.is_autocast_enabled())
     return device_type == "cpu" and bool(torch.is_autocast_cpu_enabled())
@@ -120,7 +120,11 @@ def autocast_off(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        first = args[0] if args and type(args[0]) is torch.Tensor else None  # the usual call
+        if first is None:
+            first = next(
+                (x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None
+            )
         if first is None or not _autocast_enabled(first.device.type):
             return fn(*args, **kwargs)
         with torch.autocast(first.device.type, enabled=False):
