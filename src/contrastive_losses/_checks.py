@@ -17,7 +17,6 @@ while ``torch.compile`` traces the call.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 
 import torch
