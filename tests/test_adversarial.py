@@ -850,8 +850,8 @@ def _compile_specs() -> dict[str, tuple[Callable[..., Any], Callable[[], dict[st
             "other": _emb(B, DIM, seed=3),
         }
 
-    def svt() -> dict[str, Any]:
-        return {"anchor": _emb(B, DIM), "candidates": _emb(B, DIM, seed=2)}
+    def svt() -> dict[str, Any]:  # (radius given: without it every case was its TypeError)
+        return {"anchor": _emb(B, DIM), "candidates": _emb(B, DIM, seed=2), "radius": 0.1}
 
     def ask() -> dict[str, Any]:
         return {

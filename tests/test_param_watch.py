@@ -226,3 +226,185 @@ def test_an_svr_rebuilt_inside_the_loop_is_named():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SupportVectorRegularizer(InfoNCELoss(0.1), radius="dynamic")
+
+
+# --- the user's optimizer.step() is never broken (issue 40 item 2) ---
+
+
+def _user_hook_loop(loss_fn, steps: int, *, register_at: int, groups=_all, extra_opt=None):
+    """Train with a global post-step hook of the user's registered before the backward
+    of step ``register_at`` (0: before the first backward; 1: after the loss's first
+    backward, the order that made torch raise when the watch removed its hook); returns
+    how many times the user's hook ran."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    calls = []
+    enc = nn.Linear(D, 4)
+    opt = torch.optim.SGD(groups(enc, loss_fn), lr=0.05)
+    handle = None
+    try:
+        for step in range(steps):
+            a, t = _batch(step)
+            loss_fn(enc(a), enc(t)).backward()
+            if step == register_at and handle is None:
+                handle = register_optimizer_step_post_hook(lambda o, args, kw: calls.append(o))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return len(calls)
+
+
+@pytest.mark.parametrize("register_at", [0, 1])
+@pytest.mark.parametrize("name", list(LEARNERS))
+def test_a_users_global_post_step_hook_before_or_after_the_first_backward(name, register_at):
+    """The loss decides at its first step (in the optimizer) or after ``stuck_after``
+    (left out) while the user's hook comes after the library's: ``optimizer.step()``
+    never raises, the user's hook runs at every step."""
+    loss_fn = LEARNERS[name]()
+    loss_fn.stuck_after = 3
+    assert _user_hook_loop(loss_fn, 6, register_at=register_at) == 6 - register_at
+    loss_fn = LEARNERS[name]()
+    loss_fn.stuck_after = 3
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        calls = _user_hook_loop(loss_fn, 6, register_at=register_at, groups=_model_only)
+    assert calls == 6 - register_at
+    assert len([w for w in record if "never changed" in str(w.message)]) == 1
+
+
+def test_torchs_mem_tracker_around_the_loop():
+    """torch's ``MemTracker`` registers global optimizer hooks on entry and removes them
+    on exit; entered after the loss's first step, the loss deciding inside it (in the
+    optimizer, or left out after ``stuck_after``) leaves ``optimizer.step()`` alone."""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    for groups in (_all, _model_only):
+        loss_fn = InfoNCELoss(0.07, learnable_temperature=True)
+        loss_fn.stuck_after = 2
+        enc = nn.Linear(D, 4)
+        opt = torch.optim.Adam(groups(enc, loss_fn), lr=0.01)
+        tracker = mem_tracker.MemTracker()
+        tracker.track_external(enc, loss_fn, opt)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the "never changed" warning, left out)
+            loss_fn(*_batch(99)).backward()  # a first backward before the tracker
+            with tracker:
+                for i in range(4):
+                    tracker.reset_mod_stats()
+                    a, t = enc(torch.cat(_batch(i))).chunk(2)  # (one call a module)
+                    loss_fn(a, t).backward()
+                    opt.step()
+                    opt.zero_grad()
+        assert loss_fn._watch.done
+
+
+def test_threads_training_their_own_losses_side_by_side():
+    """8 threads, each building and training its own losses and optimizers for many
+    rounds (some in the optimizer, some left out), a user's global hook after the
+    library's: no step raises, and a loss in its thread's optimizer trains."""
+    import threading
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    errors: list[BaseException] = []
+    trained: list[bool] = []
+
+    def work(seed: int) -> None:
+        try:
+            for round_ in range(12):
+                loss_fn = LEARNERS[list(LEARNERS)[(seed + round_) % 3]]()
+                loss_fn.stuck_after = 2
+                enc = nn.Linear(D, 4)
+                keep = (seed + round_) % 2 == 0
+                opt = torch.optim.SGD((_all if keep else _model_only)(enc, loss_fn), lr=0.1)
+                before = [p.detach().clone() for p in loss_fn.parameters()]
+                for step in range(5):
+                    a, t = _batch(step + seed)
+                    loss_fn(enc(a), enc(t)).backward()
+                    opt.step()
+                    opt.zero_grad()
+                if keep:
+                    trained.append(
+                        any(
+                            not torch.equal(p, q)
+                            for p, q in zip(loss_fn.parameters(), before, strict=True)
+                        )
+                    )
+        except BaseException as error:  # reported by the test
+            errors.append(error)
+
+    # (a global hook registered while other threads step would race in torch itself)
+    calls: list[object] = []
+    handle = register_optimizer_step_post_hook(lambda o, args, kw: calls.append(o))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # left-out losses warn (recording is not thread-safe)
+            threads = [threading.Thread(target=work, args=(seed,)) for seed in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        handle.remove()
+    assert errors == []
+    assert len(calls) == 8 * 12 * 5  # the user's hook ran at every step
+    assert len(trained) == 48 and all(trained)
+
+
+def test_the_temperatures_own_optimizer_starting_late_is_no_false_alarm():
+    """The model's optimizer steps 60 times (``stuck_after`` 50) before the temperature's
+    own optimizer first steps: the temperature is in a live optimizer, so nothing
+    warns; a temperature in no optimizer at all still warns."""
+    for own_optimizer in (True, False):
+        loss_fn = InfoNCELoss(0.07, learnable_temperature=True)
+        enc = nn.Linear(D, 4)
+        opt_enc = torch.optim.SGD(enc.parameters(), lr=0.05)
+        opt_loss = torch.optim.SGD(loss_fn.parameters(), lr=0.05) if own_optimizer else None
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for step in range(70):
+                a, t = _batch(step)
+                loss_fn(enc(a), enc(t)).backward()
+                opt_enc.step()
+                if opt_loss is not None and step >= 60:
+                    opt_loss.step()
+                opt_enc.zero_grad()
+                loss_fn.zero_grad()
+        stuck = [w for w in record if "never changed" in str(w.message)]
+        assert len(stuck) == (0 if own_optimizer else 1)
+        assert loss_fn._watch.done  # decided either way: its hooks are gone
+
+
+def test_undecided_losses_alive_cost_one_listener_call_per_step(monkeypatch):
+    """100 losses alive, each counted once (a gradient, then a step without it) and
+    undecided: each optimizer step runs one table listener call, not one per loss, and
+    the library has one global post-step hook, never removed."""
+    from torch.optim import optimizer as torch_optimizer
+
+    from contrastive_losses import _optimizer_steps, _param_watch
+
+    losses = [InfoNCELoss(0.07, learnable_temperature=True) for _ in range(100)]
+    a = torch.randn(8, D, requires_grad=True)
+    opt = torch.optim.SGD([a], lr=0.0)
+    for loss_fn in losses:
+        loss_fn(a, torch.randn(8, D)).backward()
+    opt.step()
+    assert all(not fn._watch.done and fn._watch._counts == [1] for fn in losses)
+    calls = []
+    original = _param_watch._Table._optimizer_stepped
+    monkeypatch.setattr(
+        _param_watch._Table,
+        "_optimizer_stepped",
+        lambda self, o: (calls.append(o), original(self, o))[1],
+    )
+    for _ in range(5):
+        opt.step()
+    assert len(calls) == 5
+    ours = [
+        h
+        for h in torch_optimizer._global_optimizer_post_hooks.values()
+        if h is _optimizer_steps._stepped
+    ]
+    assert len(ours) == 1

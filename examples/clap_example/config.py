@@ -393,7 +393,18 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_CONFIG_BYTES:
             raise ValueError(f"--config {path}: {size} bytes, more than a config file holds")
-        text = f.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
+        try:
+            raw = f.read(size + 1)  # one byte past fstat's size: a file still growing shows
+        except OSError as err:
+            raise OSError(
+                err.errno, f"--config {path}: cannot be read ({err.strerror or err})"
+            ) from None
+    if len(raw) != size:  # YAML and JSON alike: never parsed cut short or half written
+        raise ValueError(
+            f"--config {path}: changed while it was read ({size} bytes at open, "
+            f"{'more' if len(raw) > size else len(raw)} read); write it whole, then start the run"
+        )
+    text = raw.decode("utf-8")
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
             import yaml

@@ -21,7 +21,8 @@ import csv
 import math
 import os
 import stat
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,11 @@ MAX_FIELD_CHARS = 4096
 #: of :data:`MAX_FIELD_CHARS` characters, escaped, fit many times over. Reading stops one byte
 #: past it, so no line, however long, is held in memory whole.
 MAX_LINE_BYTES = 1 << 20
+#: Largest manifest (bytes, by ``fstat`` and as read) and most rows: each parsed row costs
+#: about 2.5 KB of Python objects (a 299 MB manifest took 7.5 GB), so a manifest is bounded
+#: as a whole, not only line by line; split a larger one (``--train-manifest`` takes one).
+MAX_MANIFEST_BYTES = 1 << 28
+MAX_MANIFEST_ROWS = 1_000_000
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -76,6 +82,7 @@ class _ManifestLines:
         self.path, self.file, self.max_bytes = path, file, max_bytes
         self.line_no = 0
         self.row_bytes = 0  # bytes of the CSV row being read (a quoted field spans lines)
+        self.total_bytes = 0  # the whole file's, against MAX_MANIFEST_BYTES
 
     def __iter__(self) -> _ManifestLines:
         return self
@@ -84,12 +91,23 @@ class _ManifestLines:
         self.row_bytes = 0
 
     def __next__(self) -> str:
-        raw = self.file.readline(self.max_bytes + 1)
+        try:
+            raw = self.file.readline(self.max_bytes + 1)
+        except OSError as err:  # e.g. a link to /proc/self/mem: EIO, named here
+            raise ManifestError(
+                f"{self.path}:{self.line_no + 1}: cannot be read ({err.strerror or err})"
+            ) from None
         if not raw:
             raise StopIteration
         self.line_no += 1
         self.row_bytes += len(raw)
+        self.total_bytes += len(raw)
         where = f"{self.path}:{self.line_no}"
+        if self.total_bytes > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{where}: the manifest passes {MAX_MANIFEST_BYTES} bytes here (it grew after "
+                "it was opened?); split it into smaller manifests"
+            )
         if len(raw) > self.max_bytes:
             raise ManifestError(
                 f"{where}: a line longer than {self.max_bytes} bytes (not read further; a "
@@ -128,6 +146,12 @@ def _open_input(path: str | os.PathLike[str], what: str) -> int:
 def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, row)`` pairs; line numbers are 1-based as an editor shows them."""
     with os.fdopen(_open_input(path, "manifest"), "rb", buffering=1 << 16) as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{path}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may hold "
+                "(MAX_MANIFEST_BYTES); split it into smaller manifests"
+            )
         lines = _ManifestLines(path, file)
         try:
             if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
@@ -141,6 +165,7 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
 
 def _json_rows(path: Path, lines: _ManifestLines) -> list[tuple[int, dict[str, Any]]]:
     rows: list[tuple[int, dict[str, Any]]] = []
+    extra = _ExtraFields(path)
     for line in lines:
         lines.row_done()  # a JSON row is one line
         if not line.strip():
@@ -151,7 +176,8 @@ def _json_rows(path: Path, lines: _ManifestLines) -> list[tuple[int, dict[str, A
             raise ManifestError(str(err)) from None
         if not isinstance(row, dict):
             raise ManifestError(f"{path}:{lines.line_no}: expected a JSON object, got {row!r:.60}")
-        rows.append((lines.line_no, row))
+        _add_row(rows, path, lines.line_no, row, extra.note)
+    extra.warn()
     return rows
 
 
@@ -170,12 +196,57 @@ def _csv_rows(path: Path, lines: _ManifestLines) -> list[tuple[int, dict[str, An
                 f"{','.join(REQUIRED_COLUMNS)}"
             )
         lines.row_done()
+        extra = _ExtraFields(path)
         for row in reader:
-            rows.append((reader.line_num, row))
+            _add_row(rows, path, reader.line_num, row, extra.note)
             lines.row_done()
     except csv.Error as err:
         raise ManifestError(f"{path}:{reader.line_num + 1}: unreadable CSV row ({err})") from err
+    extra.warn()
     return rows
+
+
+def _add_row(
+    rows: list[tuple[int, dict[str, Any]]],
+    path: Path,
+    line_no: int,
+    row: dict[Any, Any],
+    note: Callable[[int, list[str]], None],
+) -> None:
+    """Keep the required columns of ``row`` (the rest noted, then dropped: not held);
+    past :data:`MAX_MANIFEST_ROWS` an error naming the file and the line."""
+    if len(rows) >= MAX_MANIFEST_ROWS:
+        raise ManifestError(
+            f"{path}:{line_no}: more than {MAX_MANIFEST_ROWS} rows (MAX_MANIFEST_ROWS); split "
+            "the manifest into smaller ones"
+        )
+    others = [str(k) if k is not None else "(fields beyond the header)" for k in row]
+    others = [k for k in others if k not in REQUIRED_COLUMNS]
+    if others:
+        note(line_no, others)
+    rows.append((line_no, {c: row[c] for c in REQUIRED_COLUMNS if c in row}))
+
+
+class _ExtraFields:
+    """Rows with fields beyond :data:`REQUIRED_COLUMNS`: one warning per manifest, naming
+    the first such line, what it held and how many rows had some."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.first, self.count = path, None, 0
+        self.what: list[str] = []
+
+    def note(self, line_no: int, names: list[str]) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first, self.what = line_no, names[:5]
+
+    def warn(self) -> None:
+        if self.count:
+            warnings.warn(
+                f"{self.path}:{self.first}: fields other than {', '.join(REQUIRED_COLUMNS)} "
+                f"({', '.join(self.what)}) in {self.count} row(s), ignored",
+                stacklevel=4,
+            )
 
 
 def _field_problem(column: str, value: Any) -> str | None:

@@ -317,6 +317,10 @@ class RunFolder:
         link; the temporary file is removed)."""
         try:
             moved = _identity(os.stat(directory)) != _identity(os.fstat(fd))
+            # a link back to the same directory (moved aside inside the run folder) passes
+            # the identity test: no component below the root may be a link
+            below = [directory, *directory.parents][: len(self._parts(directory))]
+            moved = moved or any(os.path.islink(p) for p in below)
         except OSError:
             moved = True
         if moved:

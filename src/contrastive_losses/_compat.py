@@ -7,7 +7,10 @@ The measured matrix (which release ran what, with which result) is in the docs, 
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -90,3 +93,41 @@ _CPU_HALF_BMM = _cpu_half_bmm()
 def matmul_supported(x: torch.Tensor) -> bool:
     """Whether a batched matmul of ``x``'s dtype runs on ``x``'s device."""
     return _CPU_HALF_BMM or x.dtype != torch.float16 or x.device.type != "cpu"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_AUTOCAST_DEVICES = ("cpu", "cuda")  # have autocast in every torch (no query needed)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether an autocast region is on for ``device_type`` (torch < 2.4: CUDA and CPU
+    only, the two it has)."""
+    if TORCH[:2] >= (2, 4):  # (asked of a device without autocast, "meta", it raises)
+        known = device_type in _AUTOCAST_DEVICES or torch.amp.is_autocast_available(device_type)
+        return known and bool(torch.is_autocast_enabled(device_type))
+    if device_type == "cuda":
+        return bool(torch.is_autocast_enabled())
+    return device_type == "cpu" and bool(torch.is_autocast_cpu_enabled())
+
+
+def autocast_off(fn: _F) -> _F:
+    """``fn`` (a loss: its first tensor argument gives the device) run with autocast off
+    on that device: inside a user's ``torch.autocast`` region a loss computes in its
+    inputs' dtypes exactly as outside it, so float32 inputs give the plain float32 loss
+    (autocast would run its matmuls, ``addmm`` and softplus in half precision: SigLIP
+    returned bfloat16). Free outside a region (one query); traced by ``torch.compile``
+    without a graph break."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args and type(args[0]) is torch.Tensor else None  # the usual call
+        if first is None:
+            first = next(
+                (x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None
+            )
+        if first is None or not _autocast_enabled(first.device.type):
+            return fn(*args, **kwargs)
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -17,10 +17,19 @@ graph break, no recompile):
 
 After ``owner.stuck_after`` counted steps, a parameter still equal to its copy with a
 non-zero gradient is reported, by name, in one warning at the user's ``optimizer.step()``
-line (one host sync, once); then the hooks are removed, so the watch costs nothing
-afterwards. Gradient accumulation counts one step per optimizer step. A loop that
-updates parameters without a ``torch.optim.Optimizer`` is not watched; with the owner's
-value checks off (``validate_args``) nothing is compared.
+line (one host sync, once), unless some live optimizer holds it (one that has not
+stepped yet: a temperature's own optimizer started late is no false alarm; found by one
+pass over the live objects, ``gc.get_objects()``, at that moment only). Decided, a
+watch removes its gradient hooks, so it costs nothing afterwards. Gradient accumulation
+counts one step per optimizer step. A loop that updates parameters without a
+``torch.optim.Optimizer`` is not watched; with the owner's value checks off
+(``validate_args``) nothing is compared.
+
+Every watch's undecided parameters sit in one table (:data:`_TABLE`), keyed by the
+parameter's ``id``, that is the only listener to optimizer steps: a step costs one
+set intersection with the stepping optimizer's (cached) parameter ids, whatever the
+number of losses alive, plus a few operations per parameter that got a gradient since
+the step before. A lock guards the table (threads training their own losses).
 
 The watch holds its owner, its parameters and itself (in the hooks) through weak
 references: a loss dropped before the watch decides is freed.
@@ -33,6 +42,8 @@ Private: :class:`~contrastive_losses.InfoNCELoss` and the other temperature loss
 from __future__ import annotations
 
 import functools
+import gc
+import threading
 import weakref
 from typing import Any
 
@@ -65,11 +76,9 @@ class ParameterWatch:
         self._params: list[weakref.ref[Tensor]] = []
         self._labels: list[str] = []
         self._snapshots: list[Tensor | None] = []
-        self._fresh: list[bool] = []  # a gradient since the last optimizer step
         self._counts: list[int] = []  # optimizer steps that did not hold it after one
         self._settled: list[bool] = []
         self._handles: list[Any] = []
-        self._listening = False
 
     def __getstate__(self) -> dict[str, Any]:
         """The message and whether it is done; hooks, copies and the owner stay behind
@@ -92,13 +101,14 @@ class ParameterWatch:
         self._params = [weakref.ref(p) for p, _ in kept]
         self._labels = [label for _, label in kept]
         n = len(kept)
-        self._snapshots, self._fresh = [None] * n, [False] * n
-        self._counts, self._settled = [0] * n, [False] * n
+        self._snapshots, self._counts, self._settled = [None] * n, [0] * n, [False] * n
         me = weakref.ref(self)  # the hooks must not keep the watch (nor its owner) alive
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_gradient, me, i))
             for i, (p, _) in enumerate(kept)
         ]
+        if kept:  # while the loss is built, not inside someone's optimizer.step()
+            _optimizer_steps.install()
 
     def rearm(self, owner: nn.Module, params: list[nn.Parameter], labels: list[str]) -> None:
         """:meth:`arm` again where the watched parameters are no longer ``params`` (a
@@ -112,13 +122,11 @@ class ParameterWatch:
             self.arm(owner, params, labels)
 
     def disarm(self) -> None:
-        """Remove the hooks and stop listening to optimizer steps."""
+        """Remove the hooks and leave the table."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._listening:
-            _optimizer_steps.stop(self)
-            self._listening = False
+        _TABLE.forget(self)
 
     def counted_without_optimizer(self) -> bool:
         """Whether some parameter got a gradient before an optimizer step that did not
@@ -128,43 +136,33 @@ class ParameterWatch:
     def _gradient(self, i: int, param: Tensor) -> None:
         """Parameter ``i`` just received a gradient."""
         owner = None if self._owner is None else self._owner()
-        if self.done or owner is None or not owner.training:
+        if self.done or owner is None or not owner.training or self._settled[i]:
             return
         if self._snapshots[i] is None:
             self._snapshots[i] = param.detach().clone()
-        self._fresh[i] = True
-        if not self._listening:
-            self._listening = True
-            _optimizer_steps.listen(self)
+        _TABLE.fresh_gradient(self, i, param)
 
-    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Count this step against each parameter it does not hold; report those due.
-        Returns whether to keep listening."""
+    def _judge(self, due: list[int]) -> None:
+        """Parameters ``due`` reached ``stuck_after`` counted steps (and are settled):
+        report those unchanged and held by no live optimizer; finish once all are
+        settled."""
         owner = None if self._owner is None else self._owner()
-        params: list[Any] = [ref() for ref in self._params]
-        pending = [i for i, p in enumerate(params) if p is not None and not self._settled[i]]
-        if self.done or owner is None or not pending:
-            return self._finish()
-        holds = _optimizer_steps.held(optimizer, [params[i] for i in pending])
-        for i, in_optimizer in zip(pending, holds, strict=True):
-            if in_optimizer:  # at any learning rate: a warm-up from 0 is no false alarm
-                self._settled[i] = True
-            else:
-                self._counts[i] += self._fresh[i]
-            self._fresh[i] = False
-        steps = int(owner.stuck_after)
-        due = [i for i in pending if not self._settled[i] and self._counts[i] >= steps]
-        if due:
-            for i in due:
-                self._settled[i] = True
-            checks = _checks.resolve_validate(owner.validate_args)  # off: read nothing
-            stuck = [i for i in due if checks and self._unchanged(params[i], i)]
-            if stuck:
-                self._report(owner, [params[i] for i in stuck], [self._labels[i] for i in stuck])
-                return self._finish()
-        if all(self._settled[i] for i in pending):
-            return self._finish()  # every parameter is in an optimizer: quiet for good
-        return True
+        if self.done or owner is None:
+            self._finish()
+            return
+        params: list[Any] = [self._params[i]() for i in due]
+        checks = _checks.resolve_validate(owner.validate_args)  # off: read nothing
+        stuck = [
+            (i, p)
+            for i, p in zip(due, params, strict=True)
+            if checks and p is not None and self._unchanged(p, i)
+        ]
+        if stuck:
+            late = _held_by_a_live_optimizer([p for _, p in stuck])
+            stuck = [pair for pair, held in zip(stuck, late, strict=True) if not held]
+        if stuck:
+            self._report(owner, [p for _, p in stuck], [self._labels[i] for i, _ in stuck])
+            self._finish()
 
     def _report(self, owner: Any, params: list[Any], labels: list[str]) -> None:
         """The one warning, naming ``params``."""
@@ -178,12 +176,11 @@ class ParameterWatch:
         self.done = True
         warn_at_caller("stuck", message, once=False)
 
-    def _finish(self) -> bool:
-        """Decided (or the owner is gone): remove the hooks. Returns False (stop)."""
+    def _finish(self) -> None:
+        """Decided (or the owner is gone): remove the hooks."""
         self.disarm()
         self._clear()
         self.done = True
-        return False
 
     def _unchanged(self, param: Tensor, i: int) -> bool:
         """Parameter ``i`` equals its copy at its first gradient and its gradient is
@@ -197,6 +194,128 @@ class ParameterWatch:
                 and param.grad is not None
                 and bool(param.grad.ne(0).any())
             )
+
+
+class _Entry:
+    """An undecided parameter of a watch in :data:`_TABLE`."""
+
+    __slots__ = ("index", "param", "watch")
+
+    def __init__(self, watch: ParameterWatch, index: int, param: Tensor, key: int) -> None:
+        dead = functools.partial(_TABLE.dead.append, key)  # list.append: no lock needed
+        self.watch = weakref.ref(watch, lambda _: dead())
+        self.param = weakref.ref(param, lambda _: dead())
+        self.index = index
+
+
+class _Table:
+    """Every watch's parameters that got a gradient and are undecided, by ``id``; the one
+    listener to optimizer steps of all the watches."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.undecided: dict[int, _Entry] = {}
+        self.fresh: dict[int, _Entry] = {}  # a gradient since the last optimizer step
+        self.dead: list[int] = []  # keys whose parameter or watch was freed
+
+    def fresh_gradient(self, watch: ParameterWatch, i: int, param: Tensor) -> None:
+        key = id(param)
+        with self.lock:
+            entry = self.undecided.get(key)
+            if entry is None or entry.watch() is not watch or entry.param() is not param:
+                entry = self.undecided[key] = _Entry(watch, i, param, key)
+            self.fresh[key] = entry
+        _optimizer_steps.listen(self)
+
+    def forget(self, watch: ParameterWatch) -> None:
+        """Drop ``watch``'s entries."""
+        with self.lock:
+            for ref in watch._params:
+                param = ref()
+                entry = None if param is None else self.undecided.get(id(param))
+                if entry is not None and entry.watch() is watch:
+                    del self.undecided[id(param)]
+                    self.fresh.pop(id(param), None)
+
+    def _sweep(self) -> None:
+        """Drop the entries whose parameter or watch was freed."""
+        while self.dead:
+            key = self.dead.pop()
+            entry = self.undecided.get(key)
+            if entry is not None and (entry.param() is None or entry.watch() is None):
+                del self.undecided[key]
+                self.fresh.pop(key, None)
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Settle each undecided parameter ``optimizer`` holds, count this step against
+        each other one that got a gradient since the last step, then judge those due
+        (one host sync each, once)."""
+        due: dict[ParameterWatch, list[int]] = {}
+        settled: set[ParameterWatch] = set()
+        with self.lock:
+            self._sweep()
+            for key in self.undecided.keys() & _optimizer_steps.held_ids(optimizer):
+                entry = self.undecided.pop(key)
+                self.fresh.pop(key, None)
+                watch = entry.watch()
+                if watch is not None and entry.param() is not None:
+                    watch._settled[entry.index] = True
+                    settled.add(watch)
+            fresh, self.fresh = self.fresh, {}
+            for key, entry in fresh.items():
+                watch = entry.watch()
+                if watch is None or entry.param() is None or watch.done:
+                    continue  # swept or forgotten with its watch
+                owner = None if watch._owner is None else watch._owner()
+                watch._counts[entry.index] += 1
+                if owner is None or watch._counts[entry.index] >= int(owner.stuck_after):
+                    self.undecided.pop(key, None)
+                    watch._settled[entry.index] = True
+                    due.setdefault(watch, []).append(entry.index)
+            for watch, indices in due.items():  # (under the lock: a watch is judged once)
+                watch._judge(sorted(indices))  # named in the owner's order
+            for watch in settled | due.keys():
+                if not watch.done and all(watch._settled):
+                    watch._finish()  # every parameter decided: the hooks go
+            listening = bool(self.undecided)
+        if listening:
+            _optimizer_steps.listen(self)  # every step while some parameter is undecided
+
+
+_TABLE = _Table()
+
+
+def _held_by_a_live_optimizer(params: list[Tensor]) -> list[bool]:
+    """For each of ``params``: whether a param group of a live ``torch.optim.Optimizer``
+    holds it, found from the parameter up (its group's list, the group, the optimizer's
+    ``param_groups``: ``gc.get_referrers``, a few passes over the heap, at a decision
+    only). Not ``gc.get_objects()``: it hands out every tuple another thread is still
+    building, and that thread's ``tuple()`` then fails."""
+    return [any(_holds(lst, param) for lst in gc.get_referrers(param)) for param in params]
+
+
+def _holds(lst: object, param: Tensor) -> bool:
+    """Whether ``lst`` is the ``params`` list of a group of an optimizer's
+    ``param_groups`` (types tested exactly: a dead weak proxy raises on ``isinstance``)."""
+    if type(lst) is not list or not any(p is param for p in lst):
+        return False
+    for group in gc.get_referrers(lst):
+        if type(group) is dict and group.get("params") is lst:
+            for groups in gc.get_referrers(group):
+                if type(groups) is list and any(
+                    _is_optimizer_of(owner, groups) for owner in gc.get_referrers(groups)
+                ):
+                    return True
+    return False
+
+
+def _is_optimizer_of(owner: object, groups: list[Any]) -> bool:
+    """``owner`` is an optimizer (or its ``__dict__``) whose ``param_groups`` is ``groups``."""
+    if issubclass(type(owner), torch.optim.Optimizer):
+        return owner.__dict__.get("param_groups") is groups
+    if type(owner) is dict and owner.get("param_groups") is groups:
+        return any(issubclass(type(o), torch.optim.Optimizer) for o in gc.get_referrers(owner))
+    return False
 
 
 def _gradient(watch: weakref.ref[ParameterWatch], i: int, param: Tensor) -> None:

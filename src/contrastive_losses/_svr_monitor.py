@@ -75,7 +75,6 @@ class _RadiusMonitor:
         self._over_step: Tensor | None = None  # every batch of this step above
         self._over_steps = 0
         self._over_done = False
-        self._over_listening = False
         if self._radius_parameters():
             self._warn_if_rebuilt()
             _alive.add(self)
@@ -107,7 +106,6 @@ class _RadiusMonitor:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled regulariser watches its own radius parameters."""
         super().__setstate__(state)  # type: ignore[misc]
-        self._over_listening = False
         self._arm_watch()
 
     def _rearm_watch(self) -> None:
@@ -126,11 +124,9 @@ class _RadiusMonitor:
         above = over.detach() > 0.5
         step = self._over_step
         self._over_step = above if step is None or step.device != above.device else step & above
-        if not self._over_listening:
-            self._over_listening = True
-            _optimizer_steps.listen(self)
+        _optimizer_steps.listen(self)  # the next optimizer step reads it
 
-    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """One optimizer step: a step whose every batch had the radius above extends the
         streak, any other breaks it; read every ``over_distance_check_every`` steps (one
         host sync) and warned once, at the user's ``optimizer.step()`` line, when it is at
@@ -138,23 +134,20 @@ class _RadiusMonitor:
         the optimizer steps so far (a threshold that grows with the run: a short run is
         told after a few dozen steps, a long one is not told of a brief excursion)."""
         above, self._over_step = self._over_step, None
-        if self._over_done:
-            return False
-        if above is None:  # no training batch since the last step (another optimizer)
-            return True
+        if self._over_done or above is None:  # (None: no training batch since the last step)
+            return
         streak = self._over_streak
         if streak is None or streak.device != above.device:
             streak = torch.zeros((), dtype=torch.long, device=above.device)
         self._over_streak = torch.where(above, streak + 1, torch.zeros_like(streak))
         self._over_steps += 1
         if self._over_steps % self.over_distance_check_every != 0:
-            return True
+            return
         count = int(self._over_streak)
         needed = max(self.over_distance_steps, self.over_distance_share * self._over_steps)
         if count < needed:
-            return True
+            return
         self._over_done = True
-        self._over_listening = False
         warn_at_caller(
             "svr over distance",
             "SupportVectorRegularizer: radius_over_distance stayed above 0.5 for "
@@ -166,4 +159,3 @@ class _RadiusMonitor:
             "goes' on the SVR page of the docs).",
             once=False,
         )
-        return False

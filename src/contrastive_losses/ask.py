@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _compat
 from ._checks import (
     _shape,
     check_embeddings,
@@ -384,6 +385,7 @@ def _static_sinkhorn_method(audio: Tensor, normalize: bool, epsilon: float) -> s
     return "exp" if audio.device.type == "cpu" and bounded else "log"
 
 
+@_compat.autocast_off
 def ask(
     audio: Tensor,
     text: Tensor,
@@ -756,6 +758,7 @@ class ASKLoss(nn.Module):
         return pairs.to(like.device, like.dtype)
 
     @counted_call
+    @_compat.autocast_off
     def forward(
         self,
         audio: Tensor,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _compat
 from ._common import (
     ContrastivePair,
     Terms,
@@ -33,6 +33,7 @@ from .distributed import counted_call, resolve_gather, validate_together
 __all__ = ["CACLLoss", "cacl", "sample_languages"]
 
 
+@_compat.autocast_off
 def cacl(
     audio: Tensor,
     english: Tensor,

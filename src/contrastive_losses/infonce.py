@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _compat
 from ._common import (
     ContrastivePair,
     Terms,
@@ -31,6 +31,7 @@ from .distributed import counted_call, resolve_gather, validate_together
 __all__ = ["InfoNCELoss", "info_nce"]
 
 
+@_compat.autocast_off
 def info_nce(
     audio: Tensor,
     text: Tensor,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _compat
 from ._common import (
     ContrastivePair,
     Terms,
@@ -69,6 +69,7 @@ def _text_and_mask(
     return t, norms, mask, moderate
 
 
+@_compat.autocast_off
 def kcl(
     audio: Tensor,
     text: Tensor,

@@ -109,6 +109,7 @@ def _model_scale_bias(
     return scale, bias
 
 
+@_compat.autocast_off
 def siglip(
     audio: Tensor,
     text: Tensor,

@@ -232,6 +232,7 @@ def _assemble_features(s_pos: Tensor, top: Tensor, row_min: Tensor) -> Tensor:
     return torch.cat([s_pos[..., None], top], dim=-1)
 
 
+@_compat.autocast_off
 def support_vector_term(
     anchor: Tensor,
     candidates: Tensor,
@@ -808,6 +809,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         return cast(Tensor, self.base.temperature)
 
     @counted_call
+    @_compat.autocast_off
     def forward(
         self,
         *args: Any,

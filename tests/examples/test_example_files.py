@@ -542,3 +542,144 @@ def test_tensorboard_swapped_for_a_link_while_it_writes_sends_nothing_outside(
     run(out, cfg, test_manifest=None, val_manifest=None)
     assert files_under(outside) == {}
     assert list((out / "tensorboard.moved").glob("events.out.tfevents.*"))
+
+
+# --- issue 40 item 5: bounded as a whole, changed while read, errors naming the path ---
+
+
+class _FstatSays:
+    """``os`` as ``config``/``data`` see it, except that ``fstat`` reports ``delta`` bytes
+    off the real size: the file changed between the ``fstat`` and the read."""
+
+    def __init__(self, delta: int) -> None:
+        self.delta = delta
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        st = os.fstat(fd)
+        fields = list(st)
+        fields[stat.ST_SIZE] = max(0, st.st_size + self.delta)
+        return os.stat_result(fields)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+@pytest.mark.parametrize("delta", [-9, 9])
+def test_a_config_that_changes_after_fstat_fails_loudly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, delta: int
+) -> None:
+    """Grown (the read finds more than ``fstat`` said) or shrunk: an error naming the file,
+    never a config parsed cut short (YAML dropped the later options silently)."""
+    from clap_example import config
+
+    path = tmp_path / f"run{suffix}"
+    path.write_text('{"epochs": 2, "lr": 0.1}' if suffix == ".json" else "epochs: 2\nlr: 0.1\n")
+    assert config.load_config_file(path) == {"epochs": 2, "lr": 0.1}
+    monkeypatch.setattr(config, "os", _FstatSays(delta))
+    with pytest.raises(ValueError, match=re.escape(f"--config {path}: changed while it was read")):
+        config.load_config_file(path)
+
+
+def _manifest(tmp_path: Path, rows: int, extra: str = "") -> Path:
+    path = tmp_path / "m.csv"
+    body = "".join(f"a{i}.wav,a{i},a caption {i},eng_Latn{extra}\n" for i in range(rows))
+    path.write_bytes(HEADER + body.encode())
+    return path
+
+
+def test_a_manifest_is_bounded_in_rows_and_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``MAX_MANIFEST_ROWS`` rows an error names the file and the first line over;
+    past ``MAX_MANIFEST_BYTES`` (by ``fstat``, and as read for a file still growing) an
+    error names the file."""
+    from clap_example import data
+
+    path = _manifest(tmp_path, 5)
+    assert len(data.read_manifest(path, LANGS, check_files=False)) == 5
+    monkeypatch.setattr(data, "MAX_MANIFEST_ROWS", 3)
+    with pytest.raises(data.ManifestError, match=re.escape(f"{path}:5: more than 3 rows")):
+        data.read_manifest(path, LANGS, check_files=False)
+    monkeypatch.setattr(data, "MAX_MANIFEST_ROWS", 10)
+    size = path.stat().st_size
+    monkeypatch.setattr(data, "MAX_MANIFEST_BYTES", size - 1)
+    with pytest.raises(data.ManifestError, match=re.escape(f"{path}: {size} bytes, more than")):
+        data.read_manifest(path, LANGS, check_files=False)
+    monkeypatch.setattr(data, "os", _FstatSays(-40))  # it grew after fstat
+    with pytest.raises(data.ManifestError, match=re.escape(f"{path}:6: the manifest passes")):
+        data.read_manifest(path, LANGS, check_files=False)
+
+
+def test_extra_manifest_fields_are_warned_about_and_not_kept(tmp_path: Path) -> None:
+    """CSV fields beyond the header and JSON keys beyond the four columns: one warning
+    naming the file, the first line and how many rows; the rows read the same."""
+    from clap_example.data import read_manifest
+
+    path = _manifest(tmp_path, 4, extra=",x" * 50)
+    with pytest.warns(UserWarning, match=re.escape(f"{path}:2: fields other than")) as record:
+        clips = read_manifest(path, LANGS, check_files=False)
+    assert len(clips) == 4 and "in 4 row(s)" in str(record[0].message)
+    jsonl = tmp_path / "m.jsonl"
+    rows = [
+        {"audio_path": "a.wav", "audio_id": "a", "caption": "c", "language": "eng_Latn"},
+        {"audio_path": "b.wav", "audio_id": "b", "caption": "c", "language": "eng_Latn", "n": 1},
+    ]
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match=re.escape(f"{jsonl}:2: fields other than")) as record:
+        assert len(read_manifest(jsonl, LANGS, check_files=False)) == 2
+    assert "(n) in 1 row(s)" in str(record[0].message)
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc/self/mem")
+def test_a_manifest_that_cannot_be_read_names_the_file(tmp_path: Path) -> None:
+    """A manifest linked to ``/proc/self/mem`` (a regular file by ``fstat`` whose read
+    fails with EIO): a ``ManifestError`` naming the manifest and the line, not a bare
+    ``OSError``; ``--config`` likewise names its file."""
+    from clap_example.config import load_config_file
+    from clap_example.data import ManifestError, read_manifest
+
+    link = tmp_path / "m.csv"
+    link.symlink_to("/proc/self/mem")
+    with pytest.raises(ManifestError, match=re.escape(f"{link}:1: cannot be read")):
+        read_manifest(link, LANGS, check_files=False)
+    config = tmp_path / "c.json"
+    config.symlink_to("/proc/self/mem")
+    try:
+        load_config_file(config)
+    except OSError as err:
+        assert str(config) in str(err)
+    except ValueError as err:  # (size 0 by fstat: read nothing, or "changed while read")
+        assert str(config) in str(err)
+
+
+@pytest.mark.parametrize("when", ["between check and write", "before the write"])
+def test_a_directory_swapped_for_a_link_back_into_the_run_folder_is_refused(
+    layout: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """``eval/`` moved aside to ``eval.moved/`` and a link ``eval -> eval.moved`` in its
+    place: the same directory by identity, so the old test let one file through before
+    the run stopped. Now refused by name, nothing published anywhere (issue 40 item 5)."""
+    from clap_example.run_folder import RunFolder, RunFolderError
+
+    root, _ = layout
+
+    def swap_back() -> None:
+        moved = root / "eval.moved"
+        (root / "eval").rename(moved)
+        (root / "eval").symlink_to(moved, target_is_directory=True)
+
+    folder = RunFolder(root)
+    if when == "before the write":
+        folder.write_text(root / "eval" / "a.md", "first")
+        swap_back()
+        expected = rf"{root / 'eval'}: a symbolic link"
+    else:
+        swap_before(monkeypatch, "atomic_write", swap_back)
+        expected = rf"{root / 'eval'}: replaced while a file"
+    with pytest.raises(RunFolderError, match=expected):
+        folder.write_text(root / "eval" / "b.md", "x")
+    with pytest.raises(RunFolderError, match=rf"{root / 'eval'}: a symbolic link"):
+        folder.torch_save({"a": 1}, root / "eval" / "c.pt")  # and every write after
+    left = sorted(os.listdir(root / "eval.moved"))
+    assert left == ([] if when == "between check and write" else ["a.md"])
