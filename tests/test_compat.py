@@ -102,6 +102,6 @@ def test_compile_of_the_regulariser_is_refused_below_its_own_floor(monkeypatch) 
     monkeypatch.setattr(_compat, "is_compiling", lambda: True)
     a, t = torch.randn(4, 8), torch.randn(4, 8)
     assert torch.isfinite(InfoNCELoss()(a, t))
-    want = r"SupportVectorRegularizer under torch.compile needs torch>=2\.11; this is torch "
+    want = r"SupportVectorRegularizer under torch.compile needs torch>=2\.9; this is torch "
     with pytest.raises(RuntimeError, match=want + re.escape(torch.__version__)):
         SupportVectorRegularizer(InfoNCELoss(), radius=0.2)(a, t)
