@@ -2,7 +2,7 @@
 the version shims, the refusal of ``torch.compile`` on a torch too old to trace the
 losses, and a ``state_dict`` round trip of every loss Module.
 
-Part of the compat subset that ``.ci/compat`` runs on the floor torch, 2.11 and the
+Part of the compat subset that ``.ci/compat`` runs on the floor torch, 2.9, 2.11 and the
 newest release (with test_compile, test_tiled, test_kernels and test_distributed)."""
 
 from __future__ import annotations
