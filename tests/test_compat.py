@@ -2,7 +2,7 @@
 the version shims, the refusal of ``torch.compile`` on a torch too old to trace the
 losses, and a ``state_dict`` round trip of every loss Module.
 
-Part of the compat subset that ``.ci/compat`` runs on the floor torch, 2.11 and the
+Part of the compat subset that ``.ci/compat`` runs on the floor torch, 2.9, 2.11 and the
 newest release (with test_compile, test_tiled, test_kernels and test_distributed)."""
 
 from __future__ import annotations
@@ -102,6 +102,29 @@ def test_compile_of_the_regulariser_is_refused_below_its_own_floor(monkeypatch) 
     monkeypatch.setattr(_compat, "is_compiling", lambda: True)
     a, t = torch.randn(4, 8), torch.randn(4, 8)
     assert torch.isfinite(InfoNCELoss()(a, t))
-    want = r"SupportVectorRegularizer under torch.compile needs torch>=2\.11; this is torch "
+    want = r"SupportVectorRegularizer under torch.compile needs torch>=2\.9; this is torch "
     with pytest.raises(RuntimeError, match=want + re.escape(torch.__version__)):
         SupportVectorRegularizer(InfoNCELoss(), radius=0.2)(a, t)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_the_refusal_through_dynamo_is_a_runtime_error_carrying_its_text(
+    monkeypatch, fullgraph: bool
+) -> None:
+    """The refusal as a torch below a floor runs it (called through
+    ``assume_constant_result``, untraced), under this torch's real dynamo, with and
+    without fullgraph: a RuntimeError carrying the whole text (here dynamo's
+    ``InternalTorchDynamoError``, a subclass, as on torch 2.3.1; docs: "Supported
+    versions")."""
+    if _compat.TORCH[:2] < _compat.MIN_TORCH_COMPILE:
+        pytest.skip(f"torch {torch.__version__}: every loss is refused (test_compile)")
+    monkeypatch.setattr(_compat, "TORCH", (2, 8, 0))  # below the regulariser's floor
+    wrapped = torch._dynamo.assume_constant_result(_compat._raise_compile_refusal)
+    monkeypatch.setattr(_compat, "_refuse_compile", wrapped)
+    torch._dynamo.reset()
+    loss_fn = SupportVectorRegularizer(InfoNCELoss(), radius=0.2)
+    compiled = torch.compile(loss_fn, fullgraph=fullgraph, backend="aot_eager")
+    want = r"SupportVectorRegularizer under torch.compile needs torch>=2\.9; this is torch "
+    with pytest.raises(RuntimeError, match=want + re.escape(torch.__version__)):
+        compiled(torch.randn(4, 8), torch.randn(4, 8))
+    torch._dynamo.reset()

@@ -21,8 +21,9 @@ MIN_TORCH = (2, 1)
 # cannot trace the losses' context managers, e.g. distributed.validate_together).
 MIN_TORCH_COMPILE = (2, 7)
 # SupportVectorRegularizer's checks: dynamo 2.7 and 2.8 fail on them ("Graph break under
-# GenericContextWrappingVariable"); 2.11 is the oldest measured to trace it (2.9, 2.10 not run).
-MIN_TORCH_COMPILE_SVR = (2, 11)
+# GenericContextWrappingVariable"); 2.9 is the oldest measured to trace it (2.9.1, 2.10.0:
+# compiled == eager, one graph; docs: "Supported versions").
+MIN_TORCH_COMPILE_SVR = (2, 9)
 
 
 def torch_version(version: str | None = None) -> tuple[int, int, int]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +38,29 @@ def cli(
     )
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children so far: what a
+    subprocess cost, whatever else the machine runs (a wall clock counts the waiting)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 # --- 5. the demo ------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3100)
 def test_the_demo_learns_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    started = time.time()
-    result = cli("--demo", "--output-dir", str(out), threads=1)
-    seconds = time.time() - started
+    before = children_cpu_seconds()
+    # the timeout only ends a hung run: 24 min were measured at a load of 15 (README)
+    result = cli("--demo", "--output-dir", str(out), threads=1, timeout=3000)
+    cpu = children_cpu_seconds() - before
     assert result.returncode == 0, result.stderr[-3000:]
-    assert seconds < 300
+    # its cost in CPU time, which a loaded machine does not stretch (the wall time it does:
+    # 378 s seen under load) and no more than examples/README.md says (about 200
+    # CPU-seconds; 29 measured with this one thread, user + system)
+    assert cpu < 200, f"{cpu:.0f} CPU-seconds"
     lines = result.stdout.strip().splitlines()
     tail = lines[-10:]  # the closing block says what happened
     closing = lines[[i for i, line in enumerate(lines) if line.startswith("demo finished")][-1] :]
