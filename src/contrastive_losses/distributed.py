@@ -30,6 +30,7 @@ concatenated batch, and its gradient equals the single-process gradient.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import struct
 import typing
@@ -181,6 +182,11 @@ def outer_settings(**values: object) -> Iterator[None]:
     changes a collective it makes after the loss (the drop-in ``ClipLoss``'s
     ``local_loss``: an int64 all-reduce or a float one) has it compared with the loss's,
     so ranks that differ raise one ``ValueError`` naming it before either collective."""
+    if _compat.is_compiling():  # a ContextVar cannot be traced; dynamo records the list's
+        _OUTER_TRACED.extend(values.items())
+        yield
+        del _OUTER_TRACED[len(_OUTER_TRACED) - len(values) :]
+        return
     token = _OUTER.set(_OUTER.get() + tuple(values.items()))
     try:
         yield
@@ -239,8 +245,11 @@ class Validation:
         if not self.active:
             return
         for key, value in values.items():
-            if isinstance(value, Tensor):  # a 0-d temperature, scale, radius: checks are on
-                value = float(value.detach()) if value.numel() == 1 else tuple(value.shape)
+            if isinstance(value, Tensor) and value.numel() != 1:
+                value = tuple(value.shape)
+            elif isinstance(value, Tensor):  # a 0-d temperature, scale, radius: read, or
+                # traced: its value goes into the header in the graph
+                value = value.detach() if _compat.is_compiling() else float(value.detach())
             self.fingerprint.append((key, value))
         if len(self.fingerprint) > _MAX_SETTINGS:
             raise RuntimeError(f"validate_together: at most {_MAX_SETTINGS} settings")
@@ -423,6 +432,7 @@ def validate_together(
     name: str = "audio",
     min_global: int = 2,
     validate: bool = True,
+    requested: bool | None = False,
 ) -> Iterator[Validation]:
     """Run a loss's input checks so that all ranks raise together or none does.
 
@@ -468,8 +478,12 @@ def validate_together(
     if not enabled:
         yield v
         return
-    call = _number_call()  # counted with the checks off too: the counts stay equal
     device = _device(ref)
+    if _compat.is_compiling():  # traced: no ContextVar, no object collective
+        with _validate_traced(v, device, name, min_global, _requested(requested)):
+            yield v
+        return
+    call = _number_call()  # counted with the checks off too: the counts stay equal
     if not validate:
         try:
             yield v
@@ -493,7 +507,161 @@ def validate_together(
         shared += [0] * (_HEADER - 3)
     gathered = _exchange_header(torch.tensor(shared, device=device, dtype=torch.long))
     rows = gathered.tolist()
-    _raise_disagreement(rows, v, error, name, min_global)
+    names = [n for n, _ in v.tensors]
+    _raise_disagreement(rows, names, lambda: _printed_settings(v), error, name, min_global)
+
+
+def _printed_settings(v: Validation) -> list[tuple[str, str, str]]:
+    """Each setting's name, printed value and ``repr`` (to word a disagreement)."""
+    return [(k, _printed(x), repr(x)) for k, x in v.fingerprint]
+
+
+def _requested(requested: bool | None) -> bool:
+    """Whether a caller's ``validate_args`` asks for the checks (``None``: the global
+    default); under ``torch.compile`` it decides whether the rank checks run."""
+    if requested is None:
+        from ._checks import default_validate_args
+
+        return default_validate_args()
+    return bool(requested)
+
+
+# Modes in a header's first long: what the rank's exchange does.
+_OFF, _EAGER, _COMPILED = 0, 1, 2
+# The wrapper settings (outer_settings) while dynamo traces, where a ContextVar cannot be
+# read: dynamo records the pushes and pops on this list as side effects of the trace.
+_OUTER_TRACED: list[tuple[str, object]] = []
+
+
+@contextmanager
+def _validate_traced(
+    v: Validation, device: torch.device, name: str, min_global: int, checks: bool
+) -> Iterator[None]:
+    """:func:`validate_together` while dynamo traces. With the checks requested the header
+    is built in the graph (the settings known at trace time as constants, a tensor
+    setting's value and a symbolic size as tensors) and exchanged by the custom op
+    ``contrastive_losses::rank_header``, which runs eager at every call of the compiled
+    code: it gathers the ranks' headers, reads them and raises the same ``ValueError`` on
+    every rank as the eager exchange. No ContextVar and no object collective is traced;
+    calls are not numbered. Without the checks: the header of zeros, nothing read back."""
+    if not checks:
+        try:
+            yield
+        finally:
+            _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
+        return
+    v.active = True
+    v.settings(**dict(_OUTER_TRACED))
+    yield
+    v.fingerprint.append(("gathered", ", ".join(n for n, _ in v.tensors)))
+    header, meta = _traced_header(v, device, name, min_global)
+    torch.ops.contrastive_losses.rank_header(header, meta)
+
+
+def _traced_header(
+    v: Validation, device: torch.device, name: str, min_global: int
+) -> tuple[Tensor, str]:
+    """The header as a tensor of the graph and what the op needs to word an error (the
+    names, the printed constants) as one string, a constant of the trace."""
+    dynamic: list[tuple[int, object]] = []  # (position, a 0-d tensor or a symbolic int)
+    constants: list[tuple[str, object]] = []  # a tensor's value: 0.0, its bits set below
+    tensor_valued: list[str] = []
+    for i, (key, value) in enumerate(v.fingerprint):
+        if isinstance(value, Tensor):
+            dynamic.append((3 + i * _SETTING + 2, value))
+            tensor_valued.append(key)
+        constants.append((key, 0.0 if isinstance(value, Tensor) else value))
+    slots: list[tuple[torch.dtype, bool, tuple[int, ...]]] = []
+    for i, (_, x) in enumerate(v.tensors):
+        dims = []
+        for j, d in enumerate(x.shape[1:]):
+            if not isinstance(d, int):
+                dynamic.append((3 + _SETTING * _MAX_SETTINGS + i * _SLOT + 3 + j, d))
+                d = 0
+            dims.append(d)
+        grad = bool(x.requires_grad and torch.is_grad_enabled())
+        slots.append((x.dtype, grad, tuple(dims)))
+    if not isinstance(v.batch, int):
+        dynamic.append((2, v.batch))
+    batch = v.batch if isinstance(v.batch, int) else 0
+    codes = _constant_codes(tuple(constants), tuple(slots))
+    header = torch.tensor([_COMPILED, 0, batch, *codes], dtype=torch.long, device=device)
+    if dynamic:
+        where = torch.tensor([p for p, _ in dynamic], dtype=torch.long, device=device)
+        values = torch.stack([_as_long(x, device) for _, x in dynamic])
+        header = header.index_put((where,), values)
+    meta = _meta(
+        tuple(constants), tuple(tensor_valued), tuple(n for n, _ in v.tensors), name, min_global
+    )
+    return header, meta
+
+
+def _as_long(x: object, device: torch.device) -> Tensor:
+    """A 0-d int64 of a symbolic size, or the bits of a 0-d float setting (as float64)."""
+    if isinstance(x, Tensor):
+        return x.detach().reshape(()).to(torch.float64).view(torch.int64)
+    return torch.scalar_tensor(typing.cast(int, x), dtype=torch.long, device=device)
+
+
+def _constant_codes(
+    settings: tuple[tuple[str, object], ...],
+    slots: tuple[tuple[torch.dtype, bool, tuple[int, ...]], ...],
+) -> tuple[int, ...]:
+    """The settings' and tensor slots' longs of a header, from trace-time constants."""
+    v = Validation(min_batch=0, fingerprint=list(settings))
+    out = v._encoded_settings() + [0] * (_SLOT * _MAX_AGREE)
+    for i, (dtype, grad, dims) in enumerate(slots):
+        slot = [_dtype_code(dtype), int(grad), len(dims), *dims]
+        base = _SETTING * _MAX_SETTINGS + i * _SLOT
+        out[base : base + len(slot)] = slot
+    return tuple(out)
+
+
+def _meta(
+    settings: tuple[tuple[str, object], ...],
+    tensor_valued: tuple[str, ...],
+    tensors: tuple[str, ...],
+    name: str,
+    min_global: int,
+) -> str:
+    """What the op needs to word an error, as JSON: every setting's name with its printed
+    value and ``repr`` (``None`` for a tensor's: read from the header at run time)."""
+    printed = [
+        [k, None, None] if k in tensor_valued else [k, _printed(x), repr(x)] for k, x in settings
+    ]
+    return json.dumps(
+        {"settings": printed, "tensors": list(tensors), "name": name, "min": min_global}
+    )
+
+
+if hasattr(torch.library, "custom_op"):  # torch >= 2.4; compile needs 2.7 (_compat)
+    _constant_codes = torch.compiler.assume_constant_result(_constant_codes)  # type: ignore[assignment]
+    _meta = torch.compiler.assume_constant_result(_meta)  # type: ignore[assignment]
+
+    @torch.library.custom_op("contrastive_losses::rank_header", mutates_args=())
+    def _rank_header(header: Tensor, meta: str) -> Tensor:
+        """Run eager inside compiled code: gather the ranks' headers, read them, raise
+        what they disagree on (the same ``ValueError`` on every rank)."""
+        info = json.loads(meta)
+        rows = _exchange_header(header).tolist()
+        mine = rows[dist.get_rank()]
+        fingerprint = []
+        for i, (key, printed, text) in enumerate(info["settings"]):
+            if printed is None:  # a tensor's value: its float64 bits in this rank's header
+                value = _float_of(mine[3 + i * _SETTING + 2])
+                printed, text = _printed(value), repr(value)
+            fingerprint.append((key, printed, text))
+        _raise_disagreement(
+            rows, info["tensors"], lambda: fingerprint, None, info["name"], info["min"]
+        )
+        return header.new_zeros(())
+
+    @_rank_header.register_fake
+    def _(header: Tensor, meta: str) -> Tensor:
+        return header.new_zeros(())
+
+    # its result is unused: without this the graph would drop the exchange
+    torch.fx.node.has_side_effect(torch.ops.contrastive_losses.rank_header.default)
 
 
 def _exchange_header(header: Tensor) -> Tensor:
@@ -510,12 +678,15 @@ def _exchange_header(header: Tensor) -> Tensor:
 
 def _raise_disagreement(
     rows: list[list[int]],
-    v: Validation,
+    names: list[str],
+    printed: Callable[[], list[tuple[str, str, str]]],
     error: Exception | None,
     name: str,
     min_global: int,
 ) -> None:
-    """Raise what the gathered headers say is wrong, the same on every checking rank."""
+    """Raise what the gathered headers say is wrong, the same on every checking rank:
+    ``names`` are the gathered tensors', ``printed()`` this rank's settings as
+    :func:`_printed_settings` words them."""
     off = [r for r, row in enumerate(rows) if not row[0]]
     if off:  # no further collective: the ranks without checks would not make it
         values = ", ".join(f"{bool(row[0])} on rank {r}" for r, row in enumerate(rows))
@@ -525,6 +696,13 @@ def _raise_disagreement(
             "under gather every rank must run them or none, or the ranks cannot check "
             "together (ranks without checks wait in their next collective until this "
             "process ends)"
+        ) from error
+    if len({row[0] for row in rows}) > 1:  # eager and compiled: no size exchange there
+        values = ", ".join(f"{row[0] == _COMPILED} on rank {r}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"torch.compile: the loss runs compiled on some ranks only ({values}); under "
+            "gather every rank must compile it or none: a compiled loss exchanges no batch "
+            "sizes and the ranks' collectives would not pair (every rank raises it)"
         ) from error
     failed = [r for r, row in enumerate(rows) if row[1]]
     if failed:
@@ -536,14 +714,22 @@ def _raise_disagreement(
         raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
     settings = [row[3 : 3 + _SETTING * _MAX_SETTINGS] for row in rows]
     if not _settings_agree(settings, dtypes=False):
-        _raise_settings(v, len(rows))
+        _raise_settings(printed(), len(rows))
     slots = [row[3 + _SETTING * _MAX_SETTINGS :] for row in rows]
-    mismatch = _disagreement([n for n, _ in v.tensors], slots)
+    mismatch = _disagreement(names, slots)
     if mismatch is not None:
         raise ValueError(mismatch)
     if not _settings_agree(settings):  # the scale's dtype, once the inputs' agree
-        _raise_settings(v, len(rows))
-    total = sum(row[2] for row in rows)
+        _raise_settings(printed(), len(rows))
+    sizes = [row[2] for row in rows]
+    if rows[0][0] == _COMPILED and len(set(sizes)) > 1:
+        each = ", ".join(f"{b} on rank {r}" for r, b in enumerate(sizes))
+        raise ValueError(
+            f"{name}: batch sizes differ across ranks ({each}) under torch.compile; a "
+            "compiled loss exchanges no sizes (no host sync), so every rank must hold the "
+            "same batch size (drop_last=True in the DataLoader; every rank raises it)"
+        )
+    total = sum(sizes)
     if total < min_global:
         raise ValueError(
             f"{name}: global batch size {total} over {len(rows)} ranks is too small; a "
@@ -551,9 +737,8 @@ def _raise_disagreement(
         )
 
 
-def _raise_settings(v: Validation, world: int) -> typing.NoReturn:
+def _raise_settings(mine: list[tuple[str, str, str]], world: int) -> typing.NoReturn:
     """Raise the settings' disagreement, worded from every rank's fingerprint."""
-    mine = [(k, _printed(x), repr(x)) for k, x in v.fingerprint]
     prints: list[object] = [None] * world
     dist.all_gather_object(prints, mine)
     raise ValueError(_settings_message(typing.cast(list[list[tuple[str, str, str]]], prints)))
