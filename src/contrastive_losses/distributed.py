@@ -552,7 +552,13 @@ def _validate_traced(
         return
     v.active = True
     v.settings(**dict(_OUTER_TRACED))
-    yield
+    try:
+        yield
+    except (TypeError, ValueError) as err:  # a static check, failing while dynamo traces
+        # dynamo reports the error re-raised here (fullgraph: as Unsupported, with its
+        # message), once the peers have it
+        _failed_while_tracing(type(err).__name__, str(err), str(device))
+        raise
     v.fingerprint.append(("gathered", ", ".join(n for n, _ in v.tensors)))
     header, meta = _traced_header(v, device, name, min_global)
     torch.ops.contrastive_losses.rank_header(header, meta)
@@ -596,6 +602,29 @@ def _traced_header(
     return header, meta
 
 
+def _failed_while_tracing(kind: str, message: str, device: str) -> tuple[str, str]:
+    """A static check failed while dynamo traces this rank's call: with ``fullgraph=True``
+    no graph will run, so the rank makes its exchange here, for real, at trace time (its
+    peers' compiled or eager exchanges pair with it, and every rank raises this error;
+    the ``(kind, message)`` returned is what this rank raises). Without ``fullgraph``
+    dynamo breaks the graph there and runs the call eager, whose exchange is the one made:
+    nothing is exchanged here."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if not (getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False)):
+        return kind, message
+    error = (TypeError if kind == "TypeError" else ValueError)(message)
+    header = torch.zeros(_HEADER, dtype=torch.long, device=torch.device(device))
+    header[0], header[1] = _COMPILED, 1
+    rows = _exchange_header(header).tolist()
+    try:
+        _raise_disagreement(rows, [], list, error, "audio", 0)
+    except (TypeError, ValueError) as raised:
+        return type(raised).__name__, str(raised)
+    return kind, message  # not reached: this rank failed, so every rank raises
+
+
 def _as_long(x: object, device: torch.device) -> Tensor:
     """A 0-d int64 of a symbolic size, or the bits of a 0-d float setting (as float64)."""
     if isinstance(x, Tensor):
@@ -637,6 +666,7 @@ def _meta(
 if hasattr(torch.library, "custom_op"):  # torch >= 2.4; compile needs 2.7 (_compat)
     _constant_codes = torch.compiler.assume_constant_result(_constant_codes)  # type: ignore[assignment]
     _meta = torch.compiler.assume_constant_result(_meta)  # type: ignore[assignment]
+    _failed_while_tracing = torch.compiler.assume_constant_result(_failed_while_tracing)  # type: ignore[assignment]
 
     @torch.library.custom_op("contrastive_losses::rank_header", mutates_args=())
     def _rank_header(header: Tensor, meta: str) -> Tensor:
@@ -697,13 +727,6 @@ def _raise_disagreement(
             "together (ranks without checks wait in their next collective until this "
             "process ends)"
         ) from error
-    if len({row[0] for row in rows}) > 1:  # eager and compiled: no size exchange there
-        values = ", ".join(f"{row[0] == _COMPILED} on rank {r}" for r, row in enumerate(rows))
-        raise ValueError(
-            f"torch.compile: the loss runs compiled on some ranks only ({values}); under "
-            "gather every rank must compile it or none: a compiled loss exchanges no batch "
-            "sizes and the ranks' collectives would not pair (every rank raises it)"
-        ) from error
     failed = [r for r, row in enumerate(rows) if row[1]]
     if failed:
         info = (type(error).__name__, str(error)) if error is not None else None
@@ -712,6 +735,13 @@ def _raise_disagreement(
         kind, message = typing.cast(tuple[str, str], infos[failed[0]])
         cls = TypeError if kind == "TypeError" else ValueError
         raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
+    if len({row[0] for row in rows}) > 1:  # eager and compiled: no size exchange there
+        values = ", ".join(f"{row[0] == _COMPILED} on rank {r}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"torch.compile: the loss runs compiled on some ranks only ({values}); under "
+            "gather every rank must compile it or none: a compiled loss exchanges no batch "
+            "sizes and the ranks' collectives would not pair (every rank raises it)"
+        ) from error
     settings = [row[3 : 3 + _SETTING * _MAX_SETTINGS] for row in rows]
     if not _settings_agree(settings, dtypes=False):
         _raise_settings(printed(), len(rows))
