@@ -29,6 +29,7 @@ concatenated batch, and its gradient equals the single-process gradient.
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import math
@@ -82,8 +83,12 @@ def resolve_gather(gather: bool | None) -> bool:
 # exchange and puts the number in the fingerprint.
 _CALL: ContextVar[list[typing.Any] | None] = ContextVar("contrastive_losses_call", default=None)
 _CALLS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+# Each owner's calls in order, run-length encoded: [[kind, how many in a row], ...], the
+# kind "training" (grad mode on) or "evaluation" (off), as the call's first exchange saw.
+_KINDS: weakref.WeakKeyDictionary[object, list[list[typing.Any]]] = weakref.WeakKeyDictionary()
 _CALL_KEY = "call of "  # the fingerprint entry's name: "call of InfoNCELoss"
 _COUNT_KEY = "calls of "  # check_call_counts' entry: "calls of InfoNCELoss (evaluation)"
+_ORDER_KEY = "order of the calls of "  # its second entry: the kinds in order
 _F = typing.TypeVar("_F", bound=Callable[..., typing.Any])
 
 
@@ -142,8 +147,10 @@ def check_call_counts(module: torch.nn.Module, what: str = "evaluation") -> None
     """
     if not is_distributed():
         return
+    name = f"{type(module).__name__} ({what})"
     with validate_together(True, None, min_global=0) as v:
-        v.settings(**{f"{_COUNT_KEY}{type(module).__name__} ({what})": call_count(module)})
+        v.settings(**{f"{_COUNT_KEY}{name}": call_count(module)})
+        v.settings(**{f"{_ORDER_KEY}{name}": _call_order(module)})
 
 
 def _device(ref: object) -> torch.device:
@@ -165,7 +172,53 @@ def _number_call() -> tuple[str, int] | None:
     owner = call[0]
     if call[1] == 0:
         call[1] = _CALLS[owner] = _CALLS.get(owner, 0) + 1
+        kind = "training" if torch.is_grad_enabled() else "evaluation"
+        runs = _KINDS.setdefault(owner, [])
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
     return _CALL_KEY + type(owner).__name__, call[1]
+
+
+def _call_order(module: torch.nn.Module) -> str:
+    """The kinds of ``module``'s gathered calls (and its submodules') in order, run-length
+    encoded: ``"InfoNCELoss: 3 training, 1 evaluation"``; modules joined by ``"; "``."""
+    parts = []
+    for m in module.modules():
+        runs = _KINDS.get(m)
+        if runs:
+            parts.append(f"{type(m).__name__}: " + ", ".join(f"{n} {k}" for k, n in runs))
+    return "; ".join(parts)
+
+
+def _first_difference(orders: list[str]) -> str:
+    """Where the ranks' call orders (:func:`_call_order`) first differ, worded."""
+    runs = [[part.split(": ", 1) for part in order.split("; ") if part] for order in orders]
+    for i, (owner, _) in enumerate(runs[0]):
+        kinds = []  # each rank's runs of this owner: [[count, kind], ...]
+        for rank_runs in runs:
+            mine = rank_runs[i][1] if i < len(rank_runs) else ""
+            kinds.append([item.split(" ", 1) for item in mine.split(", ") if item])
+        position = 1
+        while True:
+            now = [_kind_at(k, position) for k in kinds]
+            if len(set(now)) > 1:
+                each = ", ".join(f"{k or 'none'} on rank {r}" for r, k in enumerate(now))
+                return f"call {position} of {owner} was {each}"
+            if now[0] is None:
+                break
+            position += 1
+    return "the ranks' calls differ in order"
+
+
+def _kind_at(runs: list[list[str]], position: int) -> str | None:
+    """The kind of call ``position`` (from 1) in run-length encoded ``runs``."""
+    for count, kind in runs:
+        if position <= int(count):
+            return kind
+        position -= int(count)
+    return None
 
 
 # Settings of a wrapper around a loss (open_clip's drop-ins: ``local_loss``) that change
@@ -357,6 +410,15 @@ def _settings_message(fingerprints: list[list[tuple[str, str, str]]]) -> str:
                     "every rank must call a gathered loss the same number of times (an "
                     "extra batch on one rank pairs every later call with a peer's other "
                     "batch; every rank raises it)"
+                )
+            if key.startswith(_ORDER_KEY):
+                orders = [ast.literal_eval(f[i][2]) for f in fingerprints]
+                return (
+                    f"{key}: the ranks made as many gathered calls but of other kinds in "
+                    f"another order ({_first_difference(orders)}; training: grad mode on, "
+                    "evaluation: off); an extra call on each rank, at different points, "
+                    "pairs every call between them with a peer's other batch (every rank "
+                    "raises it)"
                 )
             if key.startswith(_CALL_KEY):
                 return (
