@@ -16,7 +16,10 @@ reduction, ``chunk_size``, an SVR radius, CACL's ``english_index``, ASK's effect
 settings such as the drop-in ``ClipLoss``'s ``local_loss``, ...), the number of this call
 among the loss Module's gathered calls, and the dtype, trailing shape and autograd state
 (``requires_grad`` with grad mode on) of what it will gather (embeddings, ids, knowledge).
-:func:`check_call_counts` compares the ranks' totals of calls through the same exchange.
+:func:`check_call_counts` compares the ranks' totals of calls, and the order of their kinds
+(training, evaluation), through the same exchange. Under ``torch.compile`` the header is
+built in the graph and exchanged by a custom op that runs eager (see
+:func:`validate_together`).
 Ranks whose checks run compare
 the headers and raise one clear error together; a rank with the checks off sends its
 header (zeros, made on the device) without reading anything back, so the collectives stay
@@ -137,7 +140,12 @@ def check_call_counts(module: torch.nn.Module, what: str = "evaluation") -> None
     the next training step) both count alike and every later call pairs one rank's batch
     with the peer's previous one, silently. The totals differ from then on: this compares
     them in the loss's own exchange (one ``all_gather`` of its fixed-length header), so it
-    also pairs with a peer's extra loss call that is still to come, and both raise.
+    also pairs with a peer's extra loss call that is still to come, and both raise. It
+    also compares the order of the calls' kinds ("training", grad mode on; "evaluation",
+    off): two offsetting extra calls, one per rank, give equal totals but another order
+    when their kinds differ from the calls they displaced, and raise, naming the first
+    call that differs. Offsetting calls of the same kind cannot be told apart: check
+    after each evaluation. Calls made under ``torch.compile`` are not counted.
 
     Example (in a training loop, after the evaluation, on every rank)::
 
@@ -524,7 +532,16 @@ def validate_together(
     ``ref`` is the first input; its device carries the collective (CPU when it is not a
     tensor; the current CUDA device under NCCL).
 
-    With ``validate`` False (``validate_args=False``, or under ``torch.compile``) the
+    Under ``torch.compile`` (``validate`` is then False: the value checks step aside)
+    ``requested``, the caller's ``validate_args`` (``None``: the global default), decides:
+    when on, the header is built in the graph and the custom op
+    ``contrastive_losses::rank_header`` exchanges and reads it eager at every call, raising
+    what eager raises (and, the ranks compiled, unequal batch sizes: a compiled loss
+    exchanges none); a rank compiled while a peer runs eager raises on both. A static check
+    that fails while dynamo traces with ``fullgraph`` makes this rank's exchange at trace
+    time, so its peers raise its error. Calls are not numbered there.
+
+    With ``validate`` False (``validate_args=False``) the
     block's checks are the static ones and nothing is read back (no host sync), but under
     gather the rank still sends its header, all zeros, made on the device: the ranks
     whose checks run then see a rank without them and raise a ``ValueError`` naming
