@@ -647,37 +647,43 @@ def _traced_header(
     v: Validation, device: torch.device, name: str, min_global: int
 ) -> tuple[Tensor, str]:
     """The header as a tensor of the graph and what the op needs to word an error (the
-    names, the printed constants) as one string, a constant of the trace."""
-    dynamic: list[tuple[int, object]] = []  # (position, a 0-d tensor or a symbolic int)
-    constants: list[tuple[str, object]] = []  # a tensor's value: 0.0, its bits set below
-    tensor_valued: list[str] = []
+    names, the printed constants) as one string, a constant of the trace.
+
+    Every number goes in as a tensor (a float as its float64 bits): dynamo may have made
+    a size, a float temperature or an int setting symbolic after a recompile, and only
+    the names, types, strings and dtypes are trace-time constants."""
+    numbers: list[tuple[int, object, bool]] = []  # (position, value, as float64 bits)
+    template: list[tuple[str, object]] = []  # the settings with each number zeroed
+    printed: list[bool] = []  # whether the setting's value is a constant to print
     for i, (key, value) in enumerate(v.fingerprint):
-        if isinstance(value, Tensor):
-            dynamic.append((3 + i * _SETTING + 2, value))
-            tensor_valued.append(key)
-        constants.append((key, 0.0 if isinstance(value, Tensor) else value))
-    slots: list[tuple[torch.dtype, bool, tuple[int, ...]]] = []
+        at = 3 + i * _SETTING + 2
+        if isinstance(value, bool):  # before int: a bool is one
+            numbers.append((at, value, False))
+            template.append((key, False))
+        elif isinstance(value, int):
+            numbers.append((at, value, False))
+            template.append((key, 0))
+        elif isinstance(value, (Tensor, float)):
+            numbers.append((at, value, True))
+            template.append((key, 0.0))
+        else:  # None, a string, a dtype: a constant of the trace
+            template.append((key, value))
+        printed.append(not isinstance(value, (bool, int, float, Tensor)))
+    slots: list[tuple[torch.dtype, bool, int]] = []
     for i, (_, x) in enumerate(v.tensors):
-        dims = []
-        for j, d in enumerate(x.shape[1:]):
-            if not isinstance(d, int):
-                dynamic.append((3 + _SETTING * _MAX_SETTINGS + i * _SLOT + 3 + j, d))
-                d = 0
-            dims.append(d)
-        grad = bool(x.requires_grad and torch.is_grad_enabled())
-        slots.append((x.dtype, grad, tuple(dims)))
-    if not isinstance(v.batch, int):
-        dynamic.append((2, v.batch))
-    batch = v.batch if isinstance(v.batch, int) else 0
-    codes = _constant_codes(tuple(constants), tuple(slots))
-    header = torch.tensor([_COMPILED, 0, batch, *codes], dtype=torch.long, device=device)
-    if dynamic:
-        where = torch.tensor([p for p, _ in dynamic], dtype=torch.long, device=device)
-        values = torch.stack([_as_long(x, device) for _, x in dynamic])
-        header = header.index_put((where,), values)
-    meta = _meta(
-        tuple(constants), tuple(tensor_valued), tuple(n for n, _ in v.tensors), name, min_global
-    )
+        dims = x.shape[1:]
+        if len(dims) > _MAX_TRAILING:
+            raise RuntimeError(f"validate_together: over {_MAX_TRAILING} trailing dims")
+        base = 3 + _SETTING * _MAX_SETTINGS + i * _SLOT
+        numbers.extend((base + 3 + j, d, False) for j, d in enumerate(dims))
+        slots.append((x.dtype, bool(x.requires_grad and torch.is_grad_enabled()), len(dims)))
+    numbers.append((2, v.batch, False))
+    codes = _constant_codes(tuple(template), tuple(slots))
+    header = torch.tensor([_COMPILED, 0, 0, *codes], dtype=torch.long, device=device)
+    where = torch.tensor([at for at, _, _ in numbers], dtype=torch.long, device=device)
+    values = torch.stack([_as_long(x, bits, device) for _, x, bits in numbers])
+    header = header.index_put((where,), values)
+    meta = _meta(tuple(template), tuple(printed), tuple(n for n, _ in v.tensors), name, min_global)
     return header, meta
 
 
@@ -704,41 +710,44 @@ def _failed_while_tracing(kind: str, message: str, device: str) -> tuple[str, st
     return kind, message  # not reached: this rank failed, so every rank raises
 
 
-def _as_long(x: object, device: torch.device) -> Tensor:
-    """A 0-d int64 of a symbolic size, or the bits of a 0-d float setting (as float64)."""
+def _as_long(x: object, bits: bool, device: torch.device) -> Tensor:
+    """A 0-d int64 of a (maybe symbolic) int, or of the float64 bits of a float or a 0-d
+    tensor (``bits``)."""
     if isinstance(x, Tensor):
         return x.detach().reshape(()).to(torch.float64).view(torch.int64)
-    return torch.scalar_tensor(typing.cast(int, x), dtype=torch.long, device=device)
+    if bits:
+        return torch.tensor(x, dtype=torch.float64, device=device).view(torch.int64)
+    return torch.tensor(x, dtype=torch.long, device=device)
 
 
 def _constant_codes(
-    settings: tuple[tuple[str, object], ...],
-    slots: tuple[tuple[torch.dtype, bool, tuple[int, ...]], ...],
+    settings: tuple[tuple[str, object], ...], slots: tuple[tuple[torch.dtype, bool, int], ...]
 ) -> tuple[int, ...]:
-    """The settings' and tensor slots' longs of a header, from trace-time constants."""
+    """The settings' and tensor slots' longs of a header, from trace-time constants (each
+    number zero: set in the graph)."""
     v = Validation(min_batch=0, fingerprint=list(settings))
     out = v._encoded_settings() + [0] * (_SLOT * _MAX_AGREE)
-    for i, (dtype, grad, dims) in enumerate(slots):
-        slot = [_dtype_code(dtype), int(grad), len(dims), *dims]
+    for i, (dtype, grad, ndim) in enumerate(slots):
         base = _SETTING * _MAX_SETTINGS + i * _SLOT
-        out[base : base + len(slot)] = slot
+        out[base : base + 3] = [_dtype_code(dtype), int(grad), ndim]
     return tuple(out)
 
 
 def _meta(
     settings: tuple[tuple[str, object], ...],
-    tensor_valued: tuple[str, ...],
+    printed: tuple[bool, ...],
     tensors: tuple[str, ...],
     name: str,
     min_global: int,
 ) -> str:
     """What the op needs to word an error, as JSON: every setting's name with its printed
-    value and ``repr`` (``None`` for a tensor's: read from the header at run time)."""
-    printed = [
-        [k, None, None] if k in tensor_valued else [k, _printed(x), repr(x)] for k, x in settings
+    value and ``repr`` (``None`` for a number's: read from the header at run time)."""
+    words = [
+        [k, _printed(x), repr(x)] if constant else [k, None, None]
+        for (k, x), constant in zip(settings, printed, strict=True)
     ]
     return json.dumps(
-        {"settings": printed, "tensors": list(tensors), "name": name, "min": min_global}
+        {"settings": words, "tensors": list(tensors), "name": name, "min": min_global}
     )
 
 
@@ -756,8 +765,9 @@ if hasattr(torch.library, "custom_op"):  # torch >= 2.4; compile needs 2.7 (_com
         mine = rows[dist.get_rank()]
         fingerprint = []
         for i, (key, printed, text) in enumerate(info["settings"]):
-            if printed is None:  # a tensor's value: its float64 bits in this rank's header
-                value = _float_of(mine[3 + i * _SETTING + 2])
+            if printed is None:  # a number: its code in this rank's header
+                tag, code = mine[3 + i * _SETTING + 1 : 3 + i * _SETTING + 3]
+                value = _float_of(code) if tag == _FLOAT_TAG else bool(code) if tag == 1 else code
                 printed, text = _printed(value), repr(value)
             fingerprint.append((key, printed, text))
         _raise_disagreement(
