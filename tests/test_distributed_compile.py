@@ -168,6 +168,7 @@ def _mismatches(rank: int) -> dict[str, tuple]:
     out["after"] = _outcome(compiled(counted), a, t)
     out["dynamic"] = _outcome(compiled(counted), a[:3], t[:3])
     out["count"] = ("count", call_count(counted))
+    out["dynamic eager"] = _outcome(counted, a[:3], t[:3])
     return out
 
 
@@ -178,13 +179,8 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256
     result: dict[str, object] = {}
-    log = Path(out_dir) / f"progress{rank}.txt"
     for name in AOT + DROP_INS:
-        with log.open("a") as f:
-            f.write(f"{name}\n")
         result[f"{name} aot_eager"] = _compare(name, "aot_eager", rank)
-        with log.open("a") as f:
-            f.write(f"  {result[f'{name} aot_eager']}\n")
     for name in EAGER_BACKEND:
         result[f"{name} eager"] = _compare(name, "eager", rank)
     result["inductor"] = _inductor_graph(rank)
@@ -207,3 +203,43 @@ def test_compiled_equals_eager_on_two_ranks(results, case):
         assert result[case][0] == "same", f"rank {rank}: {result[case]}"
     if case != "clip_loss_global aot_eager":  # local_loss=False: the global loss on each
         assert results[0][case][1] != results[1][case][1]  # each rank's own rows
+
+
+MISMATCHES = {
+    "temperature": "temperature: differs across ranks (0.07 on rank 0, 0.08 on rank 1);",
+    "learnable": "temperature: differs across ranks (0.07 on rank 0, 0.05 on rank 1);",
+    "reduction": "reduction: differs across ranks ('mean' on rank 0, 'sum' on rank 1);",
+    "local_loss": "local_loss: differs across ranks (True on rank 0, False on rank 1);",
+    "dim": "audio: shape after the batch dim (16,) on rank 0 but (8,) on rank 1;",
+    "sizes": "audio: batch sizes differ across ranks (4 on rank 0, 3 on rank 1) under "
+    "torch.compile;",
+    "one_rank": "torch.compile: the loss runs compiled on some ranks only (True on rank 0, "
+    "False on rank 1);",
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_compiled_ranks_that_differ_raise_the_eager_error_on_both(results, case):
+    outcomes = [r["mismatch"][case] for r in results]
+    assert outcomes[0] == outcomes[1], outcomes  # the same type and message on both
+    assert outcomes[0][:2] == ("error", "ValueError"), outcomes[0]
+    assert outcomes[0][2].startswith(MISMATCHES[case]), outcomes[0][2]
+    assert outcomes[0][2].endswith("(every rank raises it)"), outcomes[0][2]
+
+
+def test_a_static_check_failing_while_one_rank_traces_raises_on_both(results):
+    message = "text: batch size B 3 does not match audio's 4"
+    peer, failing = (r["mismatch"]["static"] for r in results)
+    assert peer[:2] == ("error", "ValueError"), peer
+    assert peer[2].startswith(message) and peer[2].endswith("(on rank 1; every rank raises it)")
+    # the failing rank: dynamo's report of the same error (fullgraph), as in one process
+    assert failing[0] == "other" and message in failing[2], failing
+
+
+def test_compiled_ranks_pair_after_the_errors_at_a_new_batch_size_uncounted(results):
+    for r in results:
+        assert r["mismatch"]["after"][0] == "value", r["mismatch"]["after"]
+        dynamic, eager = r["mismatch"]["dynamic"], r["mismatch"]["dynamic eager"]
+        assert dynamic[0] == eager[0] == "value", (dynamic, eager)
+        assert dynamic[1] == pytest.approx(eager[1], rel=1e-6)
+        assert r["mismatch"]["count"] == ("count", 0)  # compiled calls are not counted
