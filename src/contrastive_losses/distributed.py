@@ -236,6 +236,14 @@ _OUTER: ContextVar[tuple[tuple[str, object], ...]] = ContextVar(
 )
 
 
+# Modes in a header's first long: the checks off (zeros, nothing read back), on eager, on
+# compiled (the header built in the graph, read by the op rank_header).
+_OFF, _EAGER, _COMPILED = 0, 1, 2
+# The wrapper settings (outer_settings) while dynamo traces, where a ContextVar cannot be
+# read: dynamo records the pushes and pops on this list as side effects of the trace.
+_OUTER_TRACED: list[tuple[str, object]] = []
+
+
 @contextmanager
 def outer_settings(**values: object) -> Iterator[None]:
     """Add ``values`` (``name=value``, as :meth:`Validation.settings` takes them) to the
@@ -578,7 +586,7 @@ def validate_together(
         yield v
     except Exception as err:  # re-raised below, on every rank
         error = err
-    shared = [1, int(error is not None), v.batch]
+    shared = [_EAGER, int(error is not None), v.batch]
     if error is None:  # which tensors are gathered, by name: compared before their slots
         v.fingerprint.append(("gathered", ", ".join(n for n, _ in v.tensors)))
         shared += v._encoded_settings() + v._encoded()
@@ -603,13 +611,6 @@ def _requested(requested: bool | None) -> bool:
 
         return default_validate_args()
     return bool(requested)
-
-
-# Modes in a header's first long: what the rank's exchange does.
-_OFF, _EAGER, _COMPILED = 0, 1, 2
-# The wrapper settings (outer_settings) while dynamo traces, where a ContextVar cannot be
-# read: dynamo records the pushes and pops on this list as side effects of the trace.
-_OUTER_TRACED: list[tuple[str, object]] = []
 
 
 @contextmanager
@@ -752,9 +753,9 @@ def _meta(
 
 
 if hasattr(torch.library, "custom_op"):  # torch >= 2.4; compile needs 2.7 (_compat)
-    _constant_codes = torch.compiler.assume_constant_result(_constant_codes)  # type: ignore[assignment]
-    _meta = torch.compiler.assume_constant_result(_meta)  # type: ignore[assignment]
-    _failed_while_tracing = torch.compiler.assume_constant_result(_failed_while_tracing)  # type: ignore[assignment]
+    _constant_codes = torch.compiler.assume_constant_result(_constant_codes)
+    _meta = torch.compiler.assume_constant_result(_meta)
+    _failed_while_tracing = torch.compiler.assume_constant_result(_failed_while_tracing)
 
     @torch.library.custom_op("contrastive_losses::rank_header", mutates_args=())
     def _rank_header(header: Tensor, meta: str) -> Tensor:
@@ -806,7 +807,7 @@ def _raise_disagreement(
     """Raise what the gathered headers say is wrong, the same on every checking rank:
     ``names`` are the gathered tensors', ``printed()`` this rank's settings as
     :func:`_printed_settings` words them."""
-    off = [r for r, row in enumerate(rows) if not row[0]]
+    off = [r for r, row in enumerate(rows) if row[0] == _OFF]
     if off:  # no further collective: the ranks without checks would not make it
         values = ", ".join(f"{bool(row[0])} on rank {r}" for r, row in enumerate(rows))
         raise ValueError(
