@@ -695,9 +695,12 @@ def _failed_while_tracing(kind: str, message: str, device: str) -> tuple[str, st
     the ``(kind, message)`` returned is what this rank raises). Without ``fullgraph``
     dynamo breaks the graph there and runs the call eager, whose exchange is the one made:
     nothing is exchanged here."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
+    try:  # dynamo's own record of the trace (private: a torch without it exchanges nothing)
+        from torch._dynamo.symbolic_convert import InstructionTranslator
 
-    tx = InstructionTranslator.current_tx()
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):
+        return kind, message
     if not (getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False)):
         return kind, message
     error = (TypeError if kind == "TypeError" else ValueError)(message)
