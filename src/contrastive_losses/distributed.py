@@ -850,7 +850,7 @@ def _raise_disagreement(
         raise ValueError(
             f"{name}: batch sizes differ across ranks ({each}) under torch.compile; a "
             "compiled loss exchanges no sizes (no host sync), so every rank must hold the "
-            "same batch size (drop_last=True in the DataLoader; every rank raises it)"
+            "same batch size, e.g. drop_last=True in the DataLoader (every rank raises it)"
         )
     total = sum(sizes)
     if total < min_global:
