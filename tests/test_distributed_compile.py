@@ -159,6 +159,9 @@ def _mismatches(rank: int) -> dict[str, tuple]:
     out["sizes"] = _outcome(compiled(InfoNCELoss()), a[: B - rank], t[: B - rank])
     # a static check fails on rank 1 while dynamo traces (text rows != audio rows)
     out["static"] = _outcome(compiled(InfoNCELoss()), a, t[: B - rank])
+    # the same without fullgraph: dynamo breaks the graph there and runs the call eager
+    partial = torch.compile(InfoNCELoss(), backend="aot_eager")
+    out["static partial"] = _outcome(partial, a, t[: B - rank])
     # compiled on rank 0 only
     one = InfoNCELoss()
     out["one_rank"] = _outcome(compiled(one) if rank == 0 else one, a, t)
@@ -234,6 +237,11 @@ def test_a_static_check_failing_while_one_rank_traces_raises_on_both(results):
     assert peer[2].startswith(message) and peer[2].endswith("(on rank 1; every rank raises it)")
     # the failing rank: dynamo's report of the same error (fullgraph), as in one process
     assert failing[0] == "other" and message in failing[2], failing
+    # without fullgraph the failing rank's call runs eager: the library's error on both
+    outcomes = [r["mismatch"]["static partial"] for r in results]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0][:2] == ("error", "ValueError"), outcomes[0]
+    assert outcomes[0][2].startswith(message), outcomes[0][2]
 
 
 def test_compiled_ranks_pair_after_the_errors_at_a_new_batch_size_uncounted(results):

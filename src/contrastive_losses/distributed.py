@@ -823,8 +823,7 @@ def _raise_disagreement(
     failed = [r for r, row in enumerate(rows) if row[1]]
     if failed:
         info = (type(error).__name__, str(error)) if error is not None else None
-        infos: list[object] = [None] * len(rows)
-        dist.all_gather_object(infos, info)
+        infos = _gather_objects(info, len(rows))
         kind, message = typing.cast(tuple[str, str], infos[failed[0]])
         cls = TypeError if kind == "TypeError" else ValueError
         raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
@@ -860,10 +859,18 @@ def _raise_disagreement(
         )
 
 
+@torch.compiler.disable
+def _gather_objects(mine: object, world: int) -> list[object]:
+    """Every rank's ``mine``: an object collective, never traced (dynamo fails inside
+    one; after a graph break, ``torch.compile`` without ``fullgraph`` would try)."""
+    out: list[object] = [None] * world
+    dist.all_gather_object(out, mine)
+    return out
+
+
 def _raise_settings(mine: list[tuple[str, str, str]], world: int) -> typing.NoReturn:
     """Raise the settings' disagreement, worded from every rank's fingerprint."""
-    prints: list[object] = [None] * world
-    dist.all_gather_object(prints, mine)
+    prints = _gather_objects(mine, world)
     raise ValueError(_settings_message(typing.cast(list[list[tuple[str, str, str]]], prints)))
 
 
