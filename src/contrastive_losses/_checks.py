@@ -56,6 +56,11 @@ def set_default_validate_args(value: bool) -> None:
     _default_validate_args = value
 
 
+def default_validate_args() -> bool:
+    """The global default of ``validate_args`` (:func:`set_default_validate_args`)."""
+    return _default_validate_args
+
+
 def resolve_validate(validate_args: bool | None) -> bool:
     """Whether the value checks run: ``validate_args`` (``None``: the global default),
     and never while ``torch.compile`` traces (a value check there is a graph break or,

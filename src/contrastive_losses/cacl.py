@@ -92,7 +92,7 @@ def cacl(
     """
     enabled = resolve_gather(gather)
     validate = _checks.resolve_validate(validate_args)
-    with validate_together(enabled, audio, validate=validate) as v:
+    with validate_together(enabled, audio, validate=validate, requested=validate_args) as v:
         _checks.check_reduction(reduction)
         scale = _resolve_scale(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
@@ -322,7 +322,9 @@ class CACLLoss(_TemperatureMixin):
         # global batch size is cacl's to check.
         validate = _checks.resolve_validate(self.validate_args)
         enabled = resolve_gather(self.gather)
-        with validate_together(enabled, english_or_text, min_global=0, validate=validate) as v:
+        with validate_together(
+            enabled, english_or_text, min_global=0, validate=validate, requested=self.validate_args
+        ) as v:
             a = _checks.check_embeddings(
                 audio, "audio", ndim=2, dims="(B, D)", min_batch=v.min_batch, check_values=False
             )

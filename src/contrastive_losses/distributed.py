@@ -16,7 +16,10 @@ reduction, ``chunk_size``, an SVR radius, CACL's ``english_index``, ASK's effect
 settings such as the drop-in ``ClipLoss``'s ``local_loss``, ...), the number of this call
 among the loss Module's gathered calls, and the dtype, trailing shape and autograd state
 (``requires_grad`` with grad mode on) of what it will gather (embeddings, ids, knowledge).
-:func:`check_call_counts` compares the ranks' totals of calls through the same exchange.
+:func:`check_call_counts` compares the ranks' totals of calls, and the order of their kinds
+(training, evaluation), through the same exchange. Under ``torch.compile`` the header is
+built in the graph and exchanged by a custom op that runs eager (see
+:func:`validate_together`).
 Ranks whose checks run compare
 the headers and raise one clear error together; a rank with the checks off sends its
 header (zeros, made on the device) without reading anything back, so the collectives stay
@@ -29,7 +32,9 @@ concatenated batch, and its gradient equals the single-process gradient.
 
 from __future__ import annotations
 
+import ast
 import functools
+import json
 import math
 import struct
 import typing
@@ -81,8 +86,12 @@ def resolve_gather(gather: bool | None) -> bool:
 # exchange and puts the number in the fingerprint.
 _CALL: ContextVar[list[typing.Any] | None] = ContextVar("contrastive_losses_call", default=None)
 _CALLS: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+# Each owner's calls in order, run-length encoded: [[kind, how many in a row], ...], the
+# kind "training" (grad mode on) or "evaluation" (off), as the call's first exchange saw.
+_KINDS: weakref.WeakKeyDictionary[object, list[list[typing.Any]]] = weakref.WeakKeyDictionary()
 _CALL_KEY = "call of "  # the fingerprint entry's name: "call of InfoNCELoss"
 _COUNT_KEY = "calls of "  # check_call_counts' entry: "calls of InfoNCELoss (evaluation)"
+_ORDER_KEY = "order of the calls of "  # its second entry: the kinds in order
 _F = typing.TypeVar("_F", bound=Callable[..., typing.Any])
 
 
@@ -131,7 +140,12 @@ def check_call_counts(module: torch.nn.Module, what: str = "evaluation") -> None
     the next training step) both count alike and every later call pairs one rank's batch
     with the peer's previous one, silently. The totals differ from then on: this compares
     them in the loss's own exchange (one ``all_gather`` of its fixed-length header), so it
-    also pairs with a peer's extra loss call that is still to come, and both raise.
+    also pairs with a peer's extra loss call that is still to come, and both raise. It
+    also compares the order of the calls' kinds ("training", grad mode on; "evaluation",
+    off): two offsetting extra calls, one per rank, give equal totals but another order
+    when their kinds differ from the calls they displaced, and raise, naming the first
+    call that differs. Offsetting calls of the same kind cannot be told apart: check
+    after each evaluation. Calls made under ``torch.compile`` are not counted.
 
     Example (in a training loop, after the evaluation, on every rank)::
 
@@ -141,8 +155,10 @@ def check_call_counts(module: torch.nn.Module, what: str = "evaluation") -> None
     """
     if not is_distributed():
         return
+    name = f"{type(module).__name__} ({what})"
     with validate_together(True, None, min_global=0) as v:
-        v.settings(**{f"{_COUNT_KEY}{type(module).__name__} ({what})": call_count(module)})
+        v.settings(**{f"{_COUNT_KEY}{name}": call_count(module)})
+        v.settings(**{f"{_ORDER_KEY}{name}": _call_order(module)})
 
 
 def _device(ref: object) -> torch.device:
@@ -164,7 +180,53 @@ def _number_call() -> tuple[str, int] | None:
     owner = call[0]
     if call[1] == 0:
         call[1] = _CALLS[owner] = _CALLS.get(owner, 0) + 1
+        kind = "training" if torch.is_grad_enabled() else "evaluation"
+        runs = _KINDS.setdefault(owner, [])
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
     return _CALL_KEY + type(owner).__name__, call[1]
+
+
+def _call_order(module: torch.nn.Module) -> str:
+    """The kinds of ``module``'s gathered calls (and its submodules') in order, run-length
+    encoded: ``"InfoNCELoss: 3 training, 1 evaluation"``; modules joined by ``"; "``."""
+    parts = []
+    for m in module.modules():
+        runs = _KINDS.get(m)
+        if runs:
+            parts.append(f"{type(m).__name__}: " + ", ".join(f"{n} {k}" for k, n in runs))
+    return "; ".join(parts)
+
+
+def _first_difference(orders: list[str]) -> str:
+    """Where the ranks' call orders (:func:`_call_order`) first differ, worded."""
+    runs = [[part.split(": ", 1) for part in order.split("; ") if part] for order in orders]
+    for i, (owner, _) in enumerate(runs[0]):
+        kinds = []  # each rank's runs of this owner: [[count, kind], ...]
+        for rank_runs in runs:
+            mine = rank_runs[i][1] if i < len(rank_runs) else ""
+            kinds.append([item.split(" ", 1) for item in mine.split(", ") if item])
+        position = 1
+        while True:
+            now = [_kind_at(k, position) for k in kinds]
+            if len(set(now)) > 1:
+                each = ", ".join(f"{k or 'none'} on rank {r}" for r, k in enumerate(now))
+                return f"call {position} of {owner} was {each}"
+            if now[0] is None:
+                break
+            position += 1
+    return "the ranks' calls differ in order"
+
+
+def _kind_at(runs: list[list[str]], position: int) -> str | None:
+    """The kind of call ``position`` (from 1) in run-length encoded ``runs``."""
+    for count, kind in runs:
+        if position <= int(count):
+            return kind
+        position -= int(count)
+    return None
 
 
 # Settings of a wrapper around a loss (open_clip's drop-ins: ``local_loss``) that change
@@ -174,6 +236,14 @@ _OUTER: ContextVar[tuple[tuple[str, object], ...]] = ContextVar(
 )
 
 
+# Modes in a header's first long: the checks off (zeros, nothing read back), on eager, on
+# compiled (the header built in the graph, read by the op rank_header).
+_OFF, _EAGER, _COMPILED = 0, 1, 2
+# The wrapper settings (outer_settings) while dynamo traces, where a ContextVar cannot be
+# read: dynamo records the pushes and pops on this list as side effects of the trace.
+_OUTER_TRACED: list[tuple[str, object]] = []
+
+
 @contextmanager
 def outer_settings(**values: object) -> Iterator[None]:
     """Add ``values`` (``name=value``, as :meth:`Validation.settings` takes them) to the
@@ -181,6 +251,11 @@ def outer_settings(**values: object) -> Iterator[None]:
     changes a collective it makes after the loss (the drop-in ``ClipLoss``'s
     ``local_loss``: an int64 all-reduce or a float one) has it compared with the loss's,
     so ranks that differ raise one ``ValueError`` naming it before either collective."""
+    if _compat.is_compiling():  # a ContextVar cannot be traced; dynamo records the list's
+        _OUTER_TRACED.extend(values.items())
+        yield
+        del _OUTER_TRACED[len(_OUTER_TRACED) - len(values) :]
+        return
     token = _OUTER.set(_OUTER.get() + tuple(values.items()))
     try:
         yield
@@ -239,8 +314,11 @@ class Validation:
         if not self.active:
             return
         for key, value in values.items():
-            if isinstance(value, Tensor):  # a 0-d temperature, scale, radius: checks are on
-                value = float(value.detach()) if value.numel() == 1 else tuple(value.shape)
+            if isinstance(value, Tensor) and value.numel() != 1:
+                value = tuple(value.shape)
+            elif isinstance(value, Tensor):  # a 0-d temperature, scale, radius: read, or
+                # traced: its value goes into the header in the graph
+                value = value.detach() if _compat.is_compiling() else float(value.detach())
             self.fingerprint.append((key, value))
         if len(self.fingerprint) > _MAX_SETTINGS:
             raise RuntimeError(f"validate_together: at most {_MAX_SETTINGS} settings")
@@ -349,6 +427,15 @@ def _settings_message(fingerprints: list[list[tuple[str, str, str]]]) -> str:
                     "extra batch on one rank pairs every later call with a peer's other "
                     "batch; every rank raises it)"
                 )
+            if key.startswith(_ORDER_KEY):
+                orders = [ast.literal_eval(f[i][2]) for f in fingerprints]
+                return (
+                    f"{key}: the ranks made as many gathered calls but of other kinds in "
+                    f"another order ({_first_difference(orders)}; training: grad mode on, "
+                    "evaluation: off); an extra call on each rank, at different points, "
+                    "pairs every call between them with a peer's other batch (every rank "
+                    "raises it)"
+                )
             if key.startswith(_CALL_KEY):
                 return (
                     f"{key}: differs across ranks ({each}); every rank must call each "
@@ -423,6 +510,7 @@ def validate_together(
     name: str = "audio",
     min_global: int = 2,
     validate: bool = True,
+    requested: bool | None = False,
 ) -> Iterator[Validation]:
     """Run a loss's input checks so that all ranks raise together or none does.
 
@@ -452,7 +540,16 @@ def validate_together(
     ``ref`` is the first input; its device carries the collective (CPU when it is not a
     tensor; the current CUDA device under NCCL).
 
-    With ``validate`` False (``validate_args=False``, or under ``torch.compile``) the
+    Under ``torch.compile`` (``validate`` is then False: the value checks step aside)
+    ``requested``, the caller's ``validate_args`` (``None``: the global default), decides:
+    when on, the header is built in the graph and the custom op
+    ``contrastive_losses::rank_header`` exchanges and reads it eager at every call, raising
+    what eager raises (and, the ranks compiled, unequal batch sizes: a compiled loss
+    exchanges none); a rank compiled while a peer runs eager raises on both. A static check
+    that fails while dynamo traces with ``fullgraph`` makes this rank's exchange at trace
+    time, so its peers raise its error. Calls are not numbered there.
+
+    With ``validate`` False (``validate_args=False``) the
     block's checks are the static ones and nothing is read back (no host sync), but under
     gather the rank still sends its header, all zeros, made on the device: the ranks
     whose checks run then see a rank without them and raise a ``ValueError`` naming
@@ -468,8 +565,12 @@ def validate_together(
     if not enabled:
         yield v
         return
-    call = _number_call()  # counted with the checks off too: the counts stay equal
     device = _device(ref)
+    if _compat.is_compiling():  # traced: no ContextVar, no object collective
+        with _validate_traced(v, device, name, min_global, _requested(requested)):
+            yield v
+        return
+    call = _number_call()  # counted with the checks off too: the counts stay equal
     if not validate:
         try:
             yield v
@@ -485,7 +586,7 @@ def validate_together(
         yield v
     except Exception as err:  # re-raised below, on every rank
         error = err
-    shared = [1, int(error is not None), v.batch]
+    shared = [_EAGER, int(error is not None), v.batch]
     if error is None:  # which tensors are gathered, by name: compared before their slots
         v.fingerprint.append(("gathered", ", ".join(n for n, _ in v.tensors)))
         shared += v._encoded_settings() + v._encoded()
@@ -493,7 +594,197 @@ def validate_together(
         shared += [0] * (_HEADER - 3)
     gathered = _exchange_header(torch.tensor(shared, device=device, dtype=torch.long))
     rows = gathered.tolist()
-    _raise_disagreement(rows, v, error, name, min_global)
+    names = [n for n, _ in v.tensors]
+    _raise_disagreement(rows, names, lambda: _printed_settings(v), error, name, min_global)
+
+
+def _printed_settings(v: Validation) -> list[tuple[str, str, str]]:
+    """Each setting's name, printed value and ``repr`` (to word a disagreement)."""
+    return [(k, _printed(x), repr(x)) for k, x in v.fingerprint]
+
+
+def _requested(requested: bool | None) -> bool:
+    """Whether a caller's ``validate_args`` asks for the checks (``None``: the global
+    default); under ``torch.compile`` it decides whether the rank checks run."""
+    if requested is None:
+        from ._checks import default_validate_args
+
+        return default_validate_args()
+    return bool(requested)
+
+
+@contextmanager
+def _validate_traced(
+    v: Validation, device: torch.device, name: str, min_global: int, checks: bool
+) -> Iterator[None]:
+    """:func:`validate_together` while dynamo traces. With the checks requested the header
+    is built in the graph (the settings known at trace time as constants, a tensor
+    setting's value and a symbolic size as tensors) and exchanged by the custom op
+    ``contrastive_losses::rank_header``, which runs eager at every call of the compiled
+    code: it gathers the ranks' headers, reads them and raises the same ``ValueError`` on
+    every rank as the eager exchange. No ContextVar and no object collective is traced;
+    calls are not numbered. Without the checks: the header of zeros, nothing read back."""
+    if not checks:
+        try:
+            yield
+        finally:
+            _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
+        return
+    v.active = True
+    v.settings(**dict(_OUTER_TRACED))
+    try:
+        yield
+    except (TypeError, ValueError) as err:  # a static check, failing while dynamo traces
+        # dynamo reports the error re-raised here (fullgraph: as Unsupported, with its
+        # message), once the peers have it
+        _failed_while_tracing(type(err).__name__, str(err), str(device))
+        raise
+    v.fingerprint.append(("gathered", ", ".join(n for n, _ in v.tensors)))
+    header, meta = _traced_header(v, device, name, min_global)
+    torch.ops.contrastive_losses.rank_header(header, meta)
+
+
+def _traced_header(
+    v: Validation, device: torch.device, name: str, min_global: int
+) -> tuple[Tensor, str]:
+    """The header as a tensor of the graph and what the op needs to word an error (the
+    names, the printed constants) as one string, a constant of the trace.
+
+    Every number goes in as a tensor (a float as its float64 bits): dynamo may have made
+    a size, a float temperature or an int setting symbolic after a recompile, and only
+    the names, types, strings and dtypes are trace-time constants."""
+    numbers: list[tuple[int, object, bool]] = []  # (position, value, as float64 bits)
+    template: list[tuple[str, object]] = []  # the settings with each number zeroed
+    printed: list[bool] = []  # whether the setting's value is a constant to print
+    for i, (key, value) in enumerate(v.fingerprint):
+        at = 3 + i * _SETTING + 2
+        if isinstance(value, bool):  # before int: a bool is one
+            numbers.append((at, value, False))
+            template.append((key, False))
+        elif isinstance(value, int):
+            numbers.append((at, value, False))
+            template.append((key, 0))
+        elif isinstance(value, (Tensor, float)):
+            numbers.append((at, value, True))
+            template.append((key, 0.0))
+        else:  # None, a string, a dtype: a constant of the trace
+            template.append((key, value))
+        printed.append(not isinstance(value, (bool, int, float, Tensor)))
+    slots: list[tuple[torch.dtype, bool, int]] = []
+    for i, (_, x) in enumerate(v.tensors):
+        dims = x.shape[1:]
+        if len(dims) > _MAX_TRAILING:
+            raise RuntimeError(f"validate_together: over {_MAX_TRAILING} trailing dims")
+        base = 3 + _SETTING * _MAX_SETTINGS + i * _SLOT
+        numbers.extend((base + 3 + j, d, False) for j, d in enumerate(dims))
+        slots.append((x.dtype, bool(x.requires_grad and torch.is_grad_enabled()), len(dims)))
+    numbers.append((2, v.batch, False))
+    codes = _constant_codes(tuple(template), tuple(slots))
+    header = torch.tensor([_COMPILED, 0, 0, *codes], dtype=torch.long, device=device)
+    where = torch.tensor([at for at, _, _ in numbers], dtype=torch.long, device=device)
+    values = torch.stack([_as_long(x, bits, device) for _, x, bits in numbers])
+    header = header.index_put((where,), values)
+    meta = _meta(tuple(template), tuple(printed), tuple(n for n, _ in v.tensors), name, min_global)
+    return header, meta
+
+
+def _failed_while_tracing(kind: str, message: str, device: str) -> tuple[str, str]:
+    """A static check failed while dynamo traces this rank's call: with ``fullgraph=True``
+    no graph will run, so the rank makes its exchange here, for real, at trace time (its
+    peers' compiled or eager exchanges pair with it, and every rank raises this error;
+    the ``(kind, message)`` returned is what this rank raises). Without ``fullgraph``
+    dynamo breaks the graph there and runs the call eager, whose exchange is the one made:
+    nothing is exchanged here."""
+    try:  # dynamo's own record of the trace (private: a torch without it exchanges nothing)
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):
+        return kind, message
+    if not (getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False)):
+        return kind, message
+    error = (TypeError if kind == "TypeError" else ValueError)(message)
+    header = torch.zeros(_HEADER, dtype=torch.long, device=torch.device(device))
+    header[0], header[1] = _COMPILED, 1
+    rows = _exchange_header(header).tolist()
+    try:
+        _raise_disagreement(rows, [], list, error, "audio", 0)
+    except (TypeError, ValueError) as raised:
+        return type(raised).__name__, str(raised)
+    return kind, message  # not reached: this rank failed, so every rank raises
+
+
+def _as_long(x: object, bits: bool, device: torch.device) -> Tensor:
+    """A 0-d int64 of a (maybe symbolic) int, or of the float64 bits of a float or a 0-d
+    tensor (``bits``)."""
+    if isinstance(x, Tensor):
+        return x.detach().reshape(()).to(torch.float64).view(torch.int64)
+    if bits:
+        return torch.tensor(x, dtype=torch.float64, device=device).view(torch.int64)
+    return torch.tensor(x, dtype=torch.long, device=device)
+
+
+def _constant_codes(
+    settings: tuple[tuple[str, object], ...], slots: tuple[tuple[torch.dtype, bool, int], ...]
+) -> tuple[int, ...]:
+    """The settings' and tensor slots' longs of a header, from trace-time constants (each
+    number zero: set in the graph)."""
+    v = Validation(min_batch=0, fingerprint=list(settings))
+    out = v._encoded_settings() + [0] * (_SLOT * _MAX_AGREE)
+    for i, (dtype, grad, ndim) in enumerate(slots):
+        base = _SETTING * _MAX_SETTINGS + i * _SLOT
+        out[base : base + 3] = [_dtype_code(dtype), int(grad), ndim]
+    return tuple(out)
+
+
+def _meta(
+    settings: tuple[tuple[str, object], ...],
+    printed: tuple[bool, ...],
+    tensors: tuple[str, ...],
+    name: str,
+    min_global: int,
+) -> str:
+    """What the op needs to word an error, as JSON: every setting's name with its printed
+    value and ``repr`` (``None`` for a number's: read from the header at run time)."""
+    words = [
+        [k, _printed(x), repr(x)] if constant else [k, None, None]
+        for (k, x), constant in zip(settings, printed, strict=True)
+    ]
+    return json.dumps(
+        {"settings": words, "tensors": list(tensors), "name": name, "min": min_global}
+    )
+
+
+if hasattr(torch.library, "custom_op"):  # torch >= 2.4; compile needs 2.7 (_compat)
+    _constant_codes = torch.compiler.assume_constant_result(_constant_codes)
+    _meta = torch.compiler.assume_constant_result(_meta)
+    _failed_while_tracing = torch.compiler.assume_constant_result(_failed_while_tracing)
+
+    @torch.library.custom_op("contrastive_losses::rank_header", mutates_args=())
+    def _rank_header(header: Tensor, meta: str) -> Tensor:
+        """Run eager inside compiled code: gather the ranks' headers, read them, raise
+        what they disagree on (the same ``ValueError`` on every rank)."""
+        info = json.loads(meta)
+        rows = _exchange_header(header).tolist()
+        mine = rows[dist.get_rank()]
+        fingerprint = []
+        for i, (key, printed, text) in enumerate(info["settings"]):
+            if printed is None:  # a number: its code in this rank's header
+                tag, code = mine[3 + i * _SETTING + 1 : 3 + i * _SETTING + 3]
+                value = _float_of(code) if tag == _FLOAT_TAG else bool(code) if tag == 1 else code
+                printed, text = _printed(value), repr(value)
+            fingerprint.append((key, printed, text))
+        _raise_disagreement(
+            rows, info["tensors"], lambda: fingerprint, None, info["name"], info["min"]
+        )
+        return header.new_zeros(())
+
+    @_rank_header.register_fake
+    def _(header: Tensor, meta: str) -> Tensor:
+        return header.new_zeros(())
+
+    # its result is unused: without this the graph would drop the exchange
+    torch.fx.node.has_side_effect(torch.ops.contrastive_losses.rank_header.default)
 
 
 def _exchange_header(header: Tensor) -> Tensor:
@@ -510,13 +801,16 @@ def _exchange_header(header: Tensor) -> Tensor:
 
 def _raise_disagreement(
     rows: list[list[int]],
-    v: Validation,
+    names: list[str],
+    printed: Callable[[], list[tuple[str, str, str]]],
     error: Exception | None,
     name: str,
     min_global: int,
 ) -> None:
-    """Raise what the gathered headers say is wrong, the same on every checking rank."""
-    off = [r for r, row in enumerate(rows) if not row[0]]
+    """Raise what the gathered headers say is wrong, the same on every checking rank:
+    ``names`` are the gathered tensors', ``printed()`` this rank's settings as
+    :func:`_printed_settings` words them."""
+    off = [r for r, row in enumerate(rows) if row[0] == _OFF]
     if off:  # no further collective: the ranks without checks would not make it
         values = ", ".join(f"{bool(row[0])} on rank {r}" for r, row in enumerate(rows))
         raise ValueError(
@@ -529,21 +823,35 @@ def _raise_disagreement(
     failed = [r for r, row in enumerate(rows) if row[1]]
     if failed:
         info = (type(error).__name__, str(error)) if error is not None else None
-        infos: list[object] = [None] * len(rows)
-        dist.all_gather_object(infos, info)
+        infos = _gather_objects(info, len(rows))
         kind, message = typing.cast(tuple[str, str], infos[failed[0]])
         cls = TypeError if kind == "TypeError" else ValueError
         raise cls(f"{message} (on rank {failed[0]}; every rank raises it)") from error
+    if len({row[0] for row in rows}) > 1:  # eager and compiled: no size exchange there
+        values = ", ".join(f"{row[0] == _COMPILED} on rank {r}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"torch.compile: the loss runs compiled on some ranks only ({values}); under "
+            "gather every rank must compile it or none: a compiled loss exchanges no batch "
+            "sizes and the ranks' collectives would not pair (every rank raises it)"
+        ) from error
     settings = [row[3 : 3 + _SETTING * _MAX_SETTINGS] for row in rows]
     if not _settings_agree(settings, dtypes=False):
-        _raise_settings(v, len(rows))
+        _raise_settings(printed(), len(rows))
     slots = [row[3 + _SETTING * _MAX_SETTINGS :] for row in rows]
-    mismatch = _disagreement([n for n, _ in v.tensors], slots)
+    mismatch = _disagreement(names, slots)
     if mismatch is not None:
         raise ValueError(mismatch)
     if not _settings_agree(settings):  # the scale's dtype, once the inputs' agree
-        _raise_settings(v, len(rows))
-    total = sum(row[2] for row in rows)
+        _raise_settings(printed(), len(rows))
+    sizes = [row[2] for row in rows]
+    if rows[0][0] == _COMPILED and len(set(sizes)) > 1:
+        each = ", ".join(f"{b} on rank {r}" for r, b in enumerate(sizes))
+        raise ValueError(
+            f"{name}: batch sizes differ across ranks ({each}) under torch.compile; a "
+            "compiled loss exchanges no sizes (no host sync), so every rank must hold the "
+            "same batch size, e.g. drop_last=True in the DataLoader (every rank raises it)"
+        )
+    total = sum(sizes)
     if total < min_global:
         raise ValueError(
             f"{name}: global batch size {total} over {len(rows)} ranks is too small; a "
@@ -551,11 +859,18 @@ def _raise_disagreement(
         )
 
 
-def _raise_settings(v: Validation, world: int) -> typing.NoReturn:
+@torch.compiler.disable
+def _gather_objects(mine: object, world: int) -> list[object]:
+    """Every rank's ``mine``: an object collective, never traced (dynamo fails inside
+    one; after a graph break, ``torch.compile`` without ``fullgraph`` would try)."""
+    out: list[object] = [None] * world
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _raise_settings(mine: list[tuple[str, str, str]], world: int) -> typing.NoReturn:
     """Raise the settings' disagreement, worded from every rank's fingerprint."""
-    mine = [(k, _printed(x), repr(x)) for k, x in v.fingerprint]
-    prints: list[object] = [None] * world
-    dist.all_gather_object(prints, mine)
+    prints = _gather_objects(mine, world)
     raise ValueError(_settings_message(typing.cast(list[list[tuple[str, str, str]]], prints)))
 
 

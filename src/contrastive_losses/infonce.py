@@ -95,7 +95,7 @@ def info_nce(
     """
     enabled = resolve_gather(gather)
     validate = _checks.resolve_validate(validate_args)
-    with validate_together(enabled, audio, validate=validate) as v:
+    with validate_together(enabled, audio, validate=validate, requested=validate_args) as v:
         _checks.check_reduction(reduction)
         scale = _resolve_scale(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)

@@ -146,7 +146,7 @@ def kcl(
     """
     enabled = resolve_gather(gather)
     validate = _checks.resolve_validate(validate_args)
-    with validate_together(enabled, audio, validate=validate) as v:
+    with validate_together(enabled, audio, validate=validate, requested=validate_args) as v:
         _checks.check_reduction(reduction)
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
         scale = _resolve_scale(temperature, logit_scale, audio, validate)

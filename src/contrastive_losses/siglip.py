@@ -170,7 +170,7 @@ def siglip(
     """
     enabled = resolve_gather(gather)
     validate = _checks.resolve_validate(validate_args)
-    with validate_together(enabled, audio, validate=validate) as v:
+    with validate_together(enabled, audio, validate=validate, requested=validate_args) as v:
         _checks.check_reduction(reduction)
         if logit_scale is None:
             _check_scale(scale, validate)

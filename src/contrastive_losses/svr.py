@@ -310,7 +310,9 @@ def support_vector_term(
     """
     enabled = resolve_gather(gather)
     validate = _checks.resolve_validate(validate_args)
-    with validate_together(enabled, anchor, name="anchor", validate=validate) as v:
+    with validate_together(
+        enabled, anchor, name="anchor", validate=validate, requested=validate_args
+    ) as v:
         _checks.check_reduction(reduction)
         temperature = _resolve_temperature(temperature, logit_scale, anchor, validate)
         _checks.check_chunk_size(chunk_size)
@@ -940,7 +942,9 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             "chunk_size": chunk_size,
             "normalize": normalize,
         }
-        local, glob, keys, b, offset = _prepare_pairs(pairs, normalize, enabled, validate, settings)
+        local, glob, keys, b, offset = _prepare_pairs(
+            pairs, normalize, enabled, validate, settings, self.validate_args
+        )
         if chunk_size is not None:
             return self._regularise_tiled(
                 pairs,
@@ -1062,11 +1066,13 @@ def _prepare_pairs(
     enabled: bool,
     validate: bool = True,
     settings: dict[str, Any] | None = None,
+    requested: bool | None = False,
 ) -> tuple[dict[int, Tensor], dict[int, Tensor], list[tuple[int, int]], int, int]:
     """The pairs' tensors checked, upcast from half precision and normalised once each
     (key of the raw tensor ``->`` local rows ``(b, D)``), gathered (``->`` global rows
     ``(N, D)``), the ``(audio, text)`` keys of every pair, ``b`` and this rank's offset.
-    ``settings`` must match across ranks (checked with the inputs under gather)."""
+    ``settings`` must match across ranks (checked with the inputs under gather; under
+    ``torch.compile`` only when ``requested``, the caller's ``validate_args``)."""
     local: dict[int, Tensor] = {}  # key of the raw tensor -> normalised local rows
     glob: dict[int, Tensor] = {}  # key of the raw tensor -> gathered rows (N, D)
     raw: list[Tensor] = []  # the distinct raw tensors, in order of first use
@@ -1093,7 +1099,7 @@ def _prepare_pairs(
     # Every check before the first collective, and together: a rank failing alone
     # raises on every rank instead of leaving the others in the gather.
     first = pairs[0].audio if pairs else None
-    with validate_together(enabled, first, validate=validate) as v:
+    with validate_together(enabled, first, validate=validate, requested=requested) as v:
         if len(pairs) == 0:
             raise ValueError("base: contrastive_pairs returned no pairs")
         # The mask marks absent captions: text rows only (one audio serves every language).

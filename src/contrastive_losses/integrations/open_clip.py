@@ -142,7 +142,8 @@ class _OpenClipSettings(nn.Module):
         )
         if not is_distributed():
             raise problem
-        with validate_together(True, ref):  # every rank raises it (the lowest rank's)
+        # every rank raises it (the lowest rank's), compiled too
+        with validate_together(True, ref, requested=True):
             raise problem
 
     _repr = ""  # the subclass's own settings
