@@ -44,7 +44,8 @@ from torch import Tensor
 
 #: dtype ids of CTranslate2's ``DataType`` enum (``include/ctranslate2/types.h``).
 DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(t) for t in ("<f4", "i1", "<i2", "<i4", "<f2", "<u2")  # bfloat16 read as bits
+    np.dtype(t)
+    for t in ("<f4", "i1", "<i2", "<i4", "<f2", "<u2")  # bfloat16 read as bits
 )
 BFLOAT16 = 5
 READABLE_VERSIONS = (4, 5, 6)
@@ -59,7 +60,7 @@ class _Parts(io.RawIOBase):
 
     def __init__(self, paths: Sequence[Path]) -> None:
         super().__init__()
-        self._files = [open(p, "rb") for p in paths]  # noqa: SIM115 - closed in close()
+        self._files = [open(p, "rb") for p in paths]  # closed in close()
         self._sizes = [os.fstat(f.fileno()).st_size for f in self._files]
         self._pos = 0
 

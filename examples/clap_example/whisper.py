@@ -59,8 +59,7 @@ class WhisperDims:
                 raise ValueError(f"whisper dims {name}: expected >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
             raise ValueError(
-                f"whisper dims: d_model {self.d_model} is not a multiple of n_heads "
-                f"{self.n_heads}"
+                f"whisper dims: d_model {self.d_model} is not a multiple of n_heads {self.n_heads}"
             )
 
 

@@ -19,7 +19,6 @@ from clap_example.ct2_format import CT2FormatError, read_variables
 from clap_example.whisper import (
     WhisperAudioEncoder,
     WhisperDims,
-    WhisperEncoder,
     load_whisper_encoder,
 )
 from clap_example.whisper_mel import WINDOW_SAMPLES, WhisperLogMel
@@ -79,7 +78,7 @@ def test_bad_files_are_named(tmp_path: Path) -> None:
     bad_dtype[good.index(b"x\0") + 2 + 1 + 4] = 9  # after name, rank, one dim: the dtype id
     with pytest.raises(CT2FormatError, match="unknown dtype id 9"):
         read_variables(io.BytesIO(bytes(bad_dtype)))
-    with pytest.raises(FileNotFoundError, match="no model.bin"):
+    with pytest.raises(FileNotFoundError, match=r"no model\.bin"):
         read_variables(tmp_path)
     (tmp_path / "model.bin.part2").write_bytes(good)
     with pytest.raises(CT2FormatError, match=r"parts \[1\] missing"):
@@ -210,7 +209,7 @@ def test_front_end_equals_transformers_feature_extractor() -> None:
     extractor = transformers.WhisperFeatureExtractor(feature_size=80)
     rng = np.random.default_rng(0)
     t = np.arange(24_000) / 16_000
-    wave = (0.3 * np.sin(2 * np.pi * 440 * t) * np.exp(-t) + 0.01 * rng.standard_normal(t.size))
+    wave = 0.3 * np.sin(2 * np.pi * 440 * t) * np.exp(-t) + 0.01 * rng.standard_normal(t.size)
     wave = wave.astype(np.float32)
     expected = extractor(wave, sampling_rate=16_000, return_tensors="np")["input_features"][0]
     front = WhisperLogMel(80)
@@ -335,3 +334,71 @@ def test_wheels_encoder_equals_faster_whisper(faster_whisper_dir: Path) -> None:
                 np.linalg.norm(got, axis=-1) * np.linalg.norm(expected, axis=-1)
             )
             assert got.shape == expected.shape and cosine.min() >= 0.999, cosine.min()
+
+
+# ---------------------------------------------------------------------------------------------
+# The example trainer fine-tunes it (a tiny model in the same format: no wheel needed)
+# ---------------------------------------------------------------------------------------------
+
+import test_example_real as real  # noqa: E402
+
+tiny_manifests = real.tiny_manifests  # the built tiny Tux Paint manifests (a module fixture)
+FakeBackend, _options, _run, _steps = real.FakeBackend, real._options, real._run, real._steps
+
+
+def test_help_lists_the_whisper_encoder(capsys: pytest.CaptureFixture[str]) -> None:
+    from clap_example.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "whisper-base" in text and "--whisper-trainable-layers" in text
+    assert "--whisper-dir" in text
+
+
+@pytest.mark.parametrize("loss", ["kcl", "mlclap"])
+def test_trainer_fine_tunes_the_top_whisper_block(
+    tiny_manifests: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loss: str
+) -> None:
+    from clap_example import e5
+
+    monkeypatch.setattr(e5, "load_backend", FakeBackend)
+    dims = {**DIMS, "n_positions": 50}  # 1-s crops: 100 log-mel frames, 50 encoder frames
+    variables = tiny_whisper(**dims)
+    write_whisper(tmp_path / "tiny-whisper", variables, quantize="float16", parts=2)
+    options = _options(
+        tiny_manifests, tmp_path / "run", audio_encoder="whisper-base", cnn_config={},
+        whisper_dir=str(tmp_path / "tiny-whisper"), whisper_trainable_layers=1, loss=loss,
+        epochs=1, test_manifest=None, save_every_steps=1,
+    )  # fmt: skip
+    result = _run(options, tmp_path, "whisper")
+    steps = _steps(tmp_path / "run")
+    assert result["step"] == len(steps) > 0 and all(np.isfinite(r["loss"]) for r in steps)
+    last = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
+    state = torch.load(last / "state.pt", weights_only=True)["model"]
+    stored = {k: torch.from_numpy(v.astype(np.float16).astype(np.float32))
+              for k, v in variables.items() if v.dtype == np.float32}  # fmt: skip
+    frozen = state["audio.encoder.blocks.0.fc1.weight"]
+    torch.testing.assert_close(frozen, stored["encoder/layer_0/ffn/linear_0/weight"])
+    trained = state["audio.encoder.blocks.1.fc1.weight"]
+    assert not torch.equal(trained, stored["encoder/layer_1/ffn/linear_0/weight"])
+
+
+def test_whisper_options_are_checked(tiny_manifests: Path, tmp_path: Path) -> None:
+    from clap_example.config import parse_args
+
+    base = ["--train-manifest", str(tiny_manifests / "train.jsonl"), "--output-dir", "x",
+            "--text-encoder", "e5", "--languages", "en,fr"]  # fmt: skip
+    with pytest.raises(ValueError, match="--whisper-dir: only with"):
+        parse_args([*base, "--whisper-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--ced-checkpoint"):
+        parse_args([*base, "--audio-encoder", "whisper-base", "--ced-checkpoint", "c.pt"])
+    with pytest.raises(ValueError, match="--whisper-trainable-layers: expected >= 0"):
+        parse_args([*base, "--audio-encoder", "whisper-base", "--whisper-trainable-layers", "-1"])
+    write_whisper(tmp_path / "w", tiny_whisper(**DIMS))
+    args = parse_args([*base, "--audio-encoder", "whisper-base", "--whisper-dir",
+                       str(tmp_path / "w"), "--whisper-trainable-layers", "3"])  # fmt: skip
+    from clap_example.towers import build_audio_tower
+
+    with pytest.raises(ValueError, match="--whisper-trainable-layers 3: the encoder has 2"):
+        build_audio_tower(args)

