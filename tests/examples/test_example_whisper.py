@@ -395,10 +395,16 @@ def test_whisper_options_are_checked(tiny_manifests: Path, tmp_path: Path) -> No
         parse_args([*base, "--audio-encoder", "whisper-base", "--ced-checkpoint", "c.pt"])
     with pytest.raises(ValueError, match="--whisper-trainable-layers: expected >= 0"):
         parse_args([*base, "--audio-encoder", "whisper-base", "--whisper-trainable-layers", "-1"])
+    from clap_example.startup import check_sources
+
+    missing = parse_args([*base, "--audio-encoder", "whisper-base", "--whisper-dir", "nowhere"])
+    with pytest.raises(FileNotFoundError, match=r"--whisper-dir nowhere: no model\.bin"):
+        check_sources(missing)  # before any data is read
     write_whisper(tmp_path / "w", tiny_whisper(**DIMS))
     args = parse_args([*base, "--audio-encoder", "whisper-base", "--whisper-dir",
                        str(tmp_path / "w"), "--whisper-trainable-layers", "3"])  # fmt: skip
     from clap_example.towers import build_audio_tower
 
+    check_sources(args)  # the folder holds a model
     with pytest.raises(ValueError, match="--whisper-trainable-layers 3: the encoder has 2"):
         build_audio_tower(args)
