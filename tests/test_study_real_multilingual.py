@@ -172,20 +172,41 @@ def test_length_only_input_carries_the_duration_and_nothing_else(monkeypatch) ->
     assert full.abs().sum() > 0 and torch.equal(steps, study.frame_counts(data))
 
 
-def test_probe_reports_validation_and_never_reads_the_test_split(tmp_path, monkeypatch) -> None:
+def test_probe_evaluates_validation_only_and_reads_test_structure_only(
+    tmp_path, monkeypatch
+) -> None:
+    """--probe evaluates (and aligns captions on) the validation split only; the test split's
+    indices are read, but only by ``galleries`` (which spoken languages have MIN_GALLERY test
+    gallery clips: structure, not outcomes)."""
     _tiny(monkeypatch, EVAL_EVERY=1)  # WIDTH too: restored after --set changes it
-    asked: list[str] = []
-    galleries = study.galleries
-    monkeypatch.setattr(
-        study, "galleries", lambda d, split: asked.append(split) or galleries(d, split)
-    )
+    evaluated: list[tuple[str, str]] = []
+    for name in ("evaluate", "caption_alignment"):
+        original = getattr(study, name)
+
+        def spy(towers, prep, split="test", *rest, _name=name, _original=original, **kw):
+            evaluated.append((_name, split))
+            return _original(towers, prep, split, *rest, **kw)
+
+        monkeypatch.setattr(study, name, spy)
+    data = real_data.synthetic(seed=6)
+    readers: set[str] = set()
+    indices = data.indices
+
+    def indices_spy(split: str):
+        if split == "test":
+            readers.add(sys._getframe(1).f_code.co_name)
+        return indices(split)
+
+    monkeypatch.setattr(data, "indices", indices_spy)
     args = _args(tmp_path / "out")
     args.probe, args.set, args.methods, args.seeds, args.epochs = True, ["WIDTH=8"], "random", 1, 2
-    out = study.study(args, real_data.synthetic(seed=6))
+    out = study.study(args, data)
     assert out["settings"] == {"WIDTH": 8} and study.WIDTH == 8
     (run,) = out["probe"]
     assert len(run["curves"]["val_t2a"]) == 2 and 0 <= run["val_t2a_R@1"] <= 1
-    assert asked and set(asked) == {"val"}
+    assert evaluated and {split for _, split in evaluated} == {"val"}
+    assert {name for name, _ in evaluated} == {"evaluate", "caption_alignment"}
+    assert readers == {"galleries"}, readers
     assert not (tmp_path / "out").exists()  # nothing written
     args.set = ["NOT_A_SETTING=1"]
     with pytest.raises(SystemExit, match="NOT_A_SETTING"):

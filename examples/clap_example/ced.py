@@ -255,15 +255,18 @@ class LogMelFrontEnd(nn.Module):
         return log_mel
 
     def _reflect_each(self, x: Tensor, lengths: Tensor) -> Tensor:
-        """``(B, S)`` -> ``(B, S + n_fft)``: reflect padding of ``n_fft // 2`` samples at the
-        start and at each clip's own end (``torch.stft(center=True)`` on the clip alone);
-        what lies beyond only feeds frames after the clip's end."""
-        pad = self.n_fft // 2
-        total = x.shape[-1]
-        last = (lengths.to(x.device).long().clamp(1, total) - 1).unsqueeze(1)  # (B, 1)
-        index = torch.arange(-pad, total + pad, device=x.device).abs().unsqueeze(0)
-        index = torch.where(index > last, 2 * last - index, index)  # (B, S + 2 pad)
-        return x.gather(1, index.clamp(0, total - 1))
+        return reflect_each(x, lengths, self.n_fft // 2)
+
+
+def reflect_each(x: Tensor, lengths: Tensor, pad: int) -> Tensor:
+    """``(B, S)`` -> ``(B, S + 2 pad)``: reflect padding of ``pad`` samples at the start and at
+    each clip's own end (``torch.stft(center=True)`` on the clip alone, with ``pad = n_fft //
+    2``); what lies beyond only feeds frames after the clip's end."""
+    total = x.shape[-1]
+    last = (lengths.to(x.device).long().clamp(1, total) - 1).unsqueeze(1)  # (B, 1)
+    index = torch.arange(-pad, total + pad, device=x.device).abs().unsqueeze(0)
+    index = torch.where(index > last, 2 * last - index, index)  # (B, S + 2 pad)
+    return x.gather(1, index.clamp(0, total - 1))
 
 
 # --------------------------------------------------------------------------------------------

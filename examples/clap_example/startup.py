@@ -36,7 +36,7 @@ from .objective import text_mode
 from .run_folder import RunFolder, RunFolderError
 from .sonar import load_sonar_encoder
 from .sources import HubRepo, locate
-from .towers import build_audio_tower, build_e5_tower, uses_sonar
+from .towers import build_audio_tower, build_e5_tower, check_whisper_source, uses_sonar
 
 #: What a run writes in --output-dir (what --overwrite deletes).
 ARTEFACTS = (
@@ -127,7 +127,8 @@ def read_eval_manifest(args: argparse.Namespace, path: str, languages: list[str]
 def check_sources(args: argparse.Namespace, generated: tuple[str, ...] = ()) -> None:
     """The weights' sources, the CED options and --tensorboard, checked in a blink before
     anything is read or written: ``--ced-checkpoint``, ``--sonar`` and ``--mlclap-checkpoint``
-    exist locally or are hub repositories asked for (``hf:owner/name``, see ``sources``);
+    exist locally or are hub repositories asked for (``hf:owner/name``, see ``sources``),
+    and so does ``--audio-encoder whisper-base``'s model;
     ``generated`` lists the paths the demo is about to write."""
     if args.tensorboard:
         summary_writer_class()
@@ -144,6 +145,7 @@ def check_sources(args: argparse.Namespace, generated: tuple[str, ...] = ()) -> 
         CEDConfig.from_dict({"size": args.ced_size, **args.ced_config})
     except (TypeError, ValueError) as err:
         raise ValueError(f"--ced-config {json.dumps(args.ced_config)}: {err}") from err
+    check_whisper_source(args)
 
 
 def output_dir_problem(out: Path, args: argparse.Namespace, label: str | None = None) -> str | None:

