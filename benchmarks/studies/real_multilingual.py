@@ -1,8 +1,9 @@
 r"""Real-data study: the multilingual losses, SVR and ASK on human recordings (Tux Paint).
 
 Written before the full run; the settings below are what it uses, chosen on the
-validation split only (``--probe`` trains and evaluates on validation; of the test split it reads only which
-spoken languages have enough gallery clips, never an outcome; the probes are listed on the results page), results are read after.
+validation split only (``--probe`` trains and evaluates on validation; of the test split
+it reads only which spoken languages have enough gallery clips, never an outcome; the
+probes are listed on the results page), results are read after.
 
 Data (``real_data.py``): every recording of a Tux Paint stamp description (one speaker
 per language, most likely: speaker and spoken language are confounded) with its captions
@@ -1367,7 +1368,8 @@ PROBES = """## How the settings were chosen (validation only, before the run)
 
 One-seed probes (seed 0, random-language InfoNCE, batch 256, the study's schedule) with
 `--probe`, which trains and evaluates the validation galleries only (8 spoken languages,
-45-66 clips each, chance 1.64 %) and evaluates nothing on the test split (it reads only which spoken languages have enough test gallery clips); on a shared 2-core
+45-66 clips each, chance 1.64 %) and evaluates nothing on the test split (it reads
+only which spoken languages have enough test gallery clips); on a shared 2-core
 machine at load 6-12. Validation T2A R@1 (%):
 
 | probe | epochs | val T2A R@1 | curve (every 20 or 5 epochs) | seconds |
@@ -1391,7 +1393,8 @@ first study's probes (its MLP and text-head choices) are in `real_multilingual_v
 ### Levers probed after the run's settings were fixed (a lever report, not the run's setting)
 
 Run after the settings above had been fixed, while the main run went on, with the same
-`--probe` (evaluated on validation only, of the test split only its gallery sizes read; random-language InfoNCE, seed 0 or 1,
+`--probe` (evaluated on validation only, of the test split only its gallery sizes
+read; random-language InfoNCE, seed 0 or 1,
 `nice -n 10` beside the run on the shared 2-core machine at load 3-6, hence the spread in
 seconds); the run itself uses none of them. **eSpeak NG pretraining** (`--set
 PRETRAIN_EPOCHS=N`, `synthetic_speech.py`): every distinct caption of the 545 training

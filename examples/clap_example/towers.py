@@ -31,6 +31,8 @@ TEXT_ENCODERS = ("sonar", "e5")
 TOWER_DEFAULTS: dict[str, dict[str, int | float]] = {
     "ced": {"lr": 5e-5, "embed_dim": 1024, "max_seconds": 10.0},
     "cnn": {"lr": 1e-3, "embed_dim": 256, "max_seconds": 3.0},
+    # the top blocks of a pretrained encoder on CPU (examples/configs/tuxpaint_whisper_cpu.json)
+    "whisper-base": {"lr": 3e-4, "embed_dim": 256, "max_seconds": 3.0},
 }
 
 

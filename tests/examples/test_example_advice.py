@@ -93,8 +93,10 @@ def test_the_shipped_configs_agree_with_their_towers_defaults() -> None:
     """The CPU config and the paper's config set what the defaults of their towers are."""
     cpu = json.loads((CONFIGS / "tuxpaint_cpu.json").read_text())
     paper = json.loads((CONFIGS / "paper.json").read_text())
+    whisper = json.loads((CONFIGS / "tuxpaint_whisper_cpu.json").read_text())
     assert cpu["audio_encoder"] == "cnn" and "audio_encoder" not in paper  # paper: CED
-    for config, encoder in ((cpu, "cnn"), (paper, "ced")):
+    assert whisper["audio_encoder"] == "whisper-base"
+    for config, encoder in ((cpu, "cnn"), (paper, "ced"), (whisper, "whisper-base")):
         for name, value in TOWER_DEFAULTS[encoder].items():
             assert config.get(name, value) == value, (encoder, name)
 
