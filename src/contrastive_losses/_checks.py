@@ -306,6 +306,8 @@ def _in_range(norms: Tensor, fi: torch.finfo, nonzero: bool, mask: Tensor | None
     if mask is not None and nonzero:
         ok = (norms >= fi.tiny**0.5) & (norms <= fi.max**0.5)  # False for NaN too
         return bool((ok | ((norms == 0) & ~mask)).all())
+    if norms.dtype in (torch.float16, torch.bfloat16) and norms.device.type == "cpu":
+        norms = norms.float()  # exact; torch < 2.2 has no CPU aminmax for half types
     low, high = (v.item() for v in torch.aminmax(norms))
     if nonzero:
         return fi.tiny**0.5 <= low and high <= fi.max**0.5  # False for NaN

@@ -98,12 +98,14 @@ def matmul_supported(x: torch.Tensor) -> bool:
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _AUTOCAST_DEVICES = ("cpu", "cuda")  # have autocast in every torch (no query needed)
+# the installed torch's API (fixed at import: tests that simulate another release patch TORCH)
+_AUTOCAST_BY_DEVICE = TORCH[:2] >= (2, 4)
 
 
 def _autocast_enabled(device_type: str) -> bool:
     """Whether an autocast region is on for ``device_type`` (torch < 2.4: CUDA and CPU
     only, the two it has)."""
-    if TORCH[:2] >= (2, 4):  # (asked of a device without autocast, "meta", it raises)
+    if _AUTOCAST_BY_DEVICE:  # (asked of a device without autocast, "meta", it raises)
         known = device_type in _AUTOCAST_DEVICES or torch.amp.is_autocast_available(device_type)
         return known and bool(torch.is_autocast_enabled(device_type))
     if device_type == "cuda":
