@@ -148,6 +148,11 @@ EVAL_EVERY = 10  # validation curve points (test only after the last epoch)
 #: usual training (``synthetic_speech``; a lever probed after the run's settings were
 #: fixed, off in the run). Where non-zero it is part of ``settings_key``.
 PRETRAIN_EPOCHS = 0
+#: Another study's audio side (``real_pretrained.py``: a pretrained encoder's features):
+#: ``(audio_input(data, method) -> (audio, steps), audio_tower(m, t) -> module)``; None: TOWER.
+AUDIO_SIDE: tuple[Callable[..., tuple[Tensor, Tensor]], Callable[[int, int], nn.Module]] | None
+AUDIO_SIDE = None
+SVR_BETA: float | None = 0.01  # the recorded run's (SupCLAP's); None: the library's default
 PRETRAIN_VOICES = 2  # the first voice variants of synthetic_speech.VARIANTS read each caption
 METHODS = (
     "random",
@@ -212,7 +217,9 @@ class AudioTower(nn.Module):
 
 
 def audio_tower(mels: int, frames: int) -> nn.Module:
-    """``TOWER``: the conv tower over time or the first study's MLP."""
+    """``TOWER``: the conv tower over time or the first study's MLP (or ``AUDIO_SIDE``'s)."""
+    if AUDIO_SIDE is not None:
+        return AUDIO_SIDE[1](mels, frames)
     if TOWER == "mlp":
         return AudioTower(mels, frames)
     return real_towers.ConvAudioTower(mels, DIM, WIDTH, GRU, DROPOUT)
@@ -254,7 +261,10 @@ def normalise_audio(audio: Tensor, frames: Tensor) -> Tensor:
 def audio_input(data: RealData, method: str) -> tuple[Tensor, Tensor]:
     """The tower's input ``(N, M, T)`` float32 and valid steps ``(N,)``: for TOWER "conv"
     the frames pooled (``SEQ_MELS``, ``SEQ_POOL``) and normalised per utterance, for
-    "mlp" the stretched patch; ``length_only``: ones on the valid steps, nothing else."""
+    "mlp" the stretched patch; ``length_only``: ones on the valid steps, nothing else
+    (``AUDIO_SIDE``: its own input)."""
+    if AUDIO_SIDE is not None:
+        return AUDIO_SIDE[0](data, method)
     frames = frame_counts(data)
     if TOWER == "mlp":
         audio, steps = normalise_audio(data.audio, frames), torch.full_like(frames, FRAMES)
@@ -371,8 +381,9 @@ def make_loss(method: str, seed: int) -> nn.Module:
     base = base_loss(method)
     if method.startswith("svr_"):
         radius = method.removeprefix("svr_")
-        # beta 0.01 (SupCLAP's): the recorded run's, the library's default before issue 42
-        return SupportVectorRegularizer(base, radius=radius, beta=0.01, validate_args=False)
+        # SVR_BETA 0.01 (SupCLAP's): the recorded run's, the library's default before issue 42
+        beta = {} if SVR_BETA is None else {"beta": SVR_BETA}
+        return SupportVectorRegularizer(base, radius=radius, validate_args=False, **beta)
     return base
 
 

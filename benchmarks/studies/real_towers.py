@@ -112,3 +112,47 @@ class TextBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x + self.outer(nn.functional.gelu(self.inner(x)))
+
+
+class FeatureHead(nn.Module):
+    """A head on a frozen pretrained encoder (``real_pretrained.py``): ``(B, F, 1)`` fixed
+    clip features (the encoder's pooled states, standardised) and ``(B,)`` log length ->
+    ``(B, dim)``: dropout on the input, the log length appended, one GELU layer of
+    ``hidden``, dropout, linear."""
+
+    def __init__(self, features: int, dim: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.body = nn.Sequential(
+            nn.Linear(features + 1, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, dim)
+        )
+
+    def forward(self, x: Tensor, lengths: Tensor, seconds: Tensor) -> Tensor:
+        return self.body(torch.cat([self.drop(x[:, :, 0]), seconds[:, None]], dim=1))
+
+
+class TopBlockTower(nn.Module):
+    """A pretrained encoder's top block made trainable under a :class:`FeatureHead`
+    (``real_pretrained.py``'s second stage): ``(B, T, d)`` states entering the block (zero
+    after each clip's ``lengths`` frames) -> the block, the final norm, mean and max over
+    the valid frames, the first stage's standardisation (``mean``, ``std``: fixed), the
+    head. With the block and norm as loaded, it equals the head on the cached features."""
+
+    def __init__(
+        self, block: nn.Module, norm: nn.Module, mean: Tensor, std: Tensor, head: FeatureHead
+    ) -> None:
+        super().__init__()
+        self.block, self.norm, self.head = block, norm, head
+        self.register_buffer("mean", mean.float())
+        self.register_buffer("std", std.float())
+
+    def forward(self, x: Tensor, lengths: Tensor, seconds: Tensor) -> Tensor:
+        steps = int(lengths.max())
+        x = x[:, :steps].float()
+        keep = valid_mask(lengths, steps)
+        h = self.norm(self.block(x, keep))
+        mask = keep[..., None]
+        mean = (h * mask).sum(1) / lengths[:, None].clamp(min=1)
+        peak = h.masked_fill(~mask, float("-inf")).amax(1)
+        pooled = (torch.cat([mean, peak], dim=1) - self.mean) / self.std
+        return self.head(pooled[:, :, None], lengths, seconds)
