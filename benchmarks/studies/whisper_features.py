@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--whisper-dir", type=Path, help="default: the whisper extra's wheels")
     parser.add_argument("--what", choices=("states", "transcripts"), default="states")
     parser.add_argument("--split", default="test", help="transcripts: the gallery clips of it")
+    parser.add_argument(
+        "--shard", default="0/1", help="transcripts: i/n, every n-th clip from the i-th (processes)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     clips = real_data.read_manifests(args.manifests)
@@ -250,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.what == "states":
         encoder_states(clips, args.cache, source)
     else:
-        chosen = [c for c in clips if c.split == args.split and c.in_gallery]
+        index, count = (int(x) for x in args.shard.split("/"))
+        chosen = [c for c in clips if c.split == args.split and c.in_gallery][index::count]
         transcripts(chosen, args.cache, source)
 
 
