@@ -102,14 +102,15 @@ def info_nce(
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale)
         v.batch = a.shape[0]
-        v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
-        v.settings(
-            **_scale_setting(temperature, logit_scale),
-            reduction=reduction,
-            chunk_size=chunk_size,
-            normalize=normalize,
-            ids_given=ids is not None,
-        )
+        if v.active:  # the ranks check together (else nothing is recorded)
+            v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
+            v.settings(
+                **_scale_setting(temperature, logit_scale),
+                reduction=reduction,
+                chunk_size=chunk_size,
+                normalize=normalize,
+                ids_given=ids is not None,
+            )
     if reduction == "mean" and ids is None and not enabled:
         if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
             mean_a2t, mean_t2a = _info_nce_means(a, t, scale)
