@@ -394,7 +394,7 @@ def check_scalar(
             check_float(value, name)
         if not validate:
             return None
-        return float(value.detach())
+        return float(value.item())  # item: no graph, no warning, cheaper than float()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")

@@ -116,7 +116,7 @@ def _check_logit_scale(
     value = None
     if validate:
         _checks.check_materialised(logit_scale, name)
-        value = float(logit_scale.detach())
+        value = float(logit_scale.item())  # item: no graph, no warning
         if not (0 < value <= 1 / MIN_TEMPERATURE):  # False for NaN
             raise ValueError(
                 f"{name}: must be finite and in (0, {1 / MIN_TEMPERATURE:g}] (1/temperature, "
@@ -272,7 +272,7 @@ def _embeddings(
 def _host_float(value: float | Tensor) -> float:
     """A number or a 0-d tensor's value as a float, read without its graph (a learnable
     scale requires grad; reading it must not warn or build anything)."""
-    return float(value.detach().item()) if isinstance(value, Tensor) else float(value)
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
 def _logit_range(
@@ -448,8 +448,36 @@ def _info_nce_means(a: Tensor, t: Tensor, scale: float | Tensor) -> tuple[Tensor
     reductions: at ``B = 32`` those cost a quarter of the loss's forward and backward."""
     a = a * scale  # the (B, D) side, not the (B, B) logits; as in _info_nce_rows
     logits = a @ t.T  # (B, B)
-    target = torch.arange(a.shape[0], device=a.device)
+    b = a.shape[0]
+    target = _cpu_constant(("labels", b), a, lambda: torch.arange(b, device=a.device))
     return F.cross_entropy(logits, target), F.cross_entropy(logits.T, target)
+
+
+# Small constant tensors a dense one-process call rebuilds each time (the labels 0..B-1,
+# SigLIP's +-1 signs): on the CPU, where building one costs as much as a check (5% of a
+# call at B = 32), kept per key, a few at a time.
+_CONSTANTS: dict[tuple[object, ...], Tensor] = {}
+_MAX_CONSTANTS = 16
+
+
+def _cpu_constant(key: tuple[object, ...], ref: Tensor, make: Callable[[], Tensor]) -> Tensor:
+    """``make()``, a tensor never written to or differentiated, kept under ``key`` (which
+    must name all it depends on but the device) where that is safe: eager, ``ref`` a
+    plain CPU tensor (not fake, meta, nor another subclass), ``make()`` a plain tensor
+    too; made outside inference mode, so that autograd may save it in any later call.
+    Else ``make()`` afresh."""
+    if type(ref) is not Tensor or not ref.is_cpu or _compat.is_compiling():
+        return make()
+    value = _CONSTANTS.get(key)
+    if value is None:
+        with torch.inference_mode(False):
+            value = make()
+        if type(value) is not Tensor:  # made under a mode that wraps what it makes
+            return value
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = value
+    return value
 
 
 def _info_nce_rows(

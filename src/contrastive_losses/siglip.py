@@ -23,6 +23,7 @@ from ._common import (
     Terms,
     _batch,
     _check_logit_scale,
+    _cpu_constant,
     _finish,
     _gather,
     _gather_no_grad,
@@ -242,14 +243,20 @@ def _dense_pair_losses(
     b_t = _as_tensor(bias, a).to(a.dtype)  # a float stays symbolic under compile
     logits = torch.addmm(b_t, a * scale, t_all.T)  # (b, N)
     if ids is None and logits.numel() <= _SIGN_PRODUCT_MAX:
-        sign = torch.ones_like(logits)
-        sign.diagonal(offset=offset).fill_(-1)
-        logits = logits.mul_(sign)
+        key = ("signs", *logits.shape, offset, logits.dtype)
+        logits = logits.mul_(_cpu_constant(key, logits, lambda: _signs(logits, offset)))
     elif ids is None:
         logits.diagonal(offset=offset).neg_()
     else:
         logits = torch.where(ids[:, None] == ids_all[None, :], -logits, logits)  # type: ignore[index]
     return F.softplus(logits)
+
+
+def _signs(logits: Tensor, offset: int) -> Tensor:
+    """``+1`` in ``logits``' shape, dtype and device, ``-1`` on the positives' diagonal."""
+    sign = torch.ones_like(logits)
+    sign.diagonal(offset=offset).fill_(-1)
+    return sign
 
 
 # How the watch on parameters left out of the optimizer names log_scale and bias.
