@@ -240,7 +240,9 @@ def _dense_pair_losses(
     positives' sign flip is in place, and ``softplus(-z l)`` (= ``-logsigmoid(z l)``)
     needs no sign matrix above :data:`_SIGN_PRODUCT_MAX` pairs; up to it a product with
     a ``+-1`` matrix flips them (exact either way)."""
-    b_t = _as_tensor(bias, a).to(a.dtype)  # a float stays symbolic under compile
+    b_t = _as_tensor(bias, a)  # a float stays symbolic under compile
+    if b_t.dtype != a.dtype:
+        b_t = b_t.to(a.dtype)
     logits = torch.addmm(b_t, a * scale, t_all.T)  # (b, N)
     if ids is None and logits.numel() <= _SIGN_PRODUCT_MAX:
         key = ("signs", *logits.shape, offset, logits.dtype)
