@@ -24,7 +24,7 @@ from . import _checks, _compat
 from ._kernels import _TiledCrossEntropy, _UpperClamp, distinct_ids, l2_normalize
 from ._param_watch import ParameterWatch
 from ._warnings import told, warn_at_caller
-from .distributed import all_gather_no_grad, all_gather_with_grad
+from .distributed import Validation, all_gather_no_grad, all_gather_with_grad
 
 Terms = dict[str, Tensor]
 
@@ -378,6 +378,28 @@ def _pair_and_ids(
     if ids is not None:
         ids = _checks.check_ids(ids, "ids", a.shape[0], a)
     return a, t, ids
+
+
+def _agree_pair(
+    v: Validation,
+    a: Tensor,
+    t: Tensor,
+    ids: Tensor | None,
+    reduction: str,
+    chunk_size: int | None,
+    normalize: bool,
+    scale_settings: dict[str, object],
+) -> None:
+    """What the ranks compare of a call on one ``(audio, text)`` pair (InfoNCE, SigLIP):
+    the tensors they gather, the scale's settings (first) and the common ones."""
+    v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
+    v.settings(
+        **scale_settings,
+        reduction=reduction,
+        chunk_size=chunk_size,
+        normalize=normalize,
+        ids_given=ids is not None,
+    )
 
 
 @dataclass

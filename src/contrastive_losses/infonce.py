@@ -14,6 +14,7 @@ from . import _checks, _compat
 from ._common import (
     ContrastivePair,
     Terms,
+    _agree_pair,
     _finish,
     _info_nce_means,
     _info_nce_rows,
@@ -103,14 +104,8 @@ def info_nce(
         _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale)
         v.batch = a.shape[0]
         if v.active:  # the ranks check together (else nothing is recorded)
-            v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
-            v.settings(
-                **_scale_setting(temperature, logit_scale),
-                reduction=reduction,
-                chunk_size=chunk_size,
-                normalize=normalize,
-                ids_given=ids is not None,
-            )
+            settings = _scale_setting(temperature, logit_scale)
+            _agree_pair(v, a, t, ids, reduction, chunk_size, normalize, settings)
     if reduction == "mean" and ids is None and not enabled:
         if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
             mean_a2t, mean_t2a = _info_nce_means(a, t, scale)

@@ -21,6 +21,7 @@ from ._common import (
     MIN_TEMPERATURE,
     ContrastivePair,
     Terms,
+    _agree_pair,
     _batch,
     _check_logit_scale,
     _cpu_constant,
@@ -183,16 +184,13 @@ def siglip(
         _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale, shift=bias)
         v.batch = a.shape[0]
         if v.active:  # the ranks check together (else nothing is recorded)
-            v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
-            v.settings(
-                **{"logit_scale" if logit_scale is not None else "scale": scale},
-                **{"logit_bias" if logit_bias is not None else "bias": bias},
-                **{"scale dtype": _value_dtype(scale), "bias dtype": _value_dtype(bias)},
-                reduction=reduction,
-                chunk_size=chunk_size,
-                normalize=normalize,
-                ids_given=ids is not None,
-            )
+            settings = {
+                "logit_scale" if logit_scale is not None else "scale": scale,
+                "logit_bias" if logit_bias is not None else "bias": bias,
+                "scale dtype": _value_dtype(scale),
+                "bias dtype": _value_dtype(bias),
+            }
+            _agree_pair(v, a, t, ids, reduction, chunk_size, normalize, settings)
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     chunk = _tile_width(chunk_size, t_all.shape[0])
