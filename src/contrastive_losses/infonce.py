@@ -109,8 +109,10 @@ def info_nce(
     if reduction == "mean" and ids is None and not enabled:
         if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
             mean_a2t, mean_t2a = _info_nce_means(a, t, scale)
-            terms = {"loss_a2t": mean_a2t, "loss_t2a": mean_t2a}
-            return _finish((mean_a2t + mean_t2a) / 2, terms, return_terms)
+            loss = (mean_a2t + mean_t2a) / 2
+            if not return_terms:
+                return loss
+            return _finish(loss, {"loss_a2t": mean_a2t, "loss_t2a": mean_t2a}, True)
     a2t, t2a, batch = _info_nce_rows(a, t, scale, ids, enabled, chunk_size, validate)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     if not return_terms:  # the terms' reductions cost as much as the loss's at small B
