@@ -12,6 +12,7 @@ re-exported by :mod:`contrastive_losses.losses` and :mod:`contrastive_losses.fun
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -256,13 +257,23 @@ def _value_dtype(value: float | Tensor) -> torch.dtype | str:
 
 
 def _embeddings(
-    x: object, name: str, dims: str, normalize: bool, min_batch: int = 2, validate: bool = True
+    x: object,
+    name: str,
+    dims: str,
+    normalize: bool,
+    min_batch: int = 2,
+    validate: bool = True,
+    *,
+    static: bool = True,
 ) -> Tensor:
     """Validate an embedding input and (optionally) normalise it; one pass over ``x``.
-    The value checks (NaN/Inf, zero rows) with ``validate`` only."""
-    x = _checks.check_embeddings(
-        x, name, ndim=dims.count(",") + 1, dims=dims, min_batch=min_batch, check_values=False
-    )
+    The value checks (NaN/Inf, zero rows) with ``validate`` only; the static ones unless
+    the caller has seen them pass (``static=False``)."""
+    if static:
+        x = _checks.check_embeddings(
+            x, name, ndim=dims.count(",") + 1, dims=dims, min_batch=min_batch, check_values=False
+        )
+    x = typing.cast(Tensor, x)
     if not normalize and not validate:
         return x
     norms = _checks.check_row_norms(x, name, nonzero=normalize, validate=validate)
@@ -350,11 +361,26 @@ _QUARTER_MAX: dict[torch.dtype, float] = {}
 
 
 def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
-    if a.shape == b.shape and a.dtype == b.dtype and a.device == b.device:
-        return  # the usual call, at a glance; else each check in turn, and its error
     _checks.check_same_size(a, a_name, b, b_name, 0, "batch size B")
     _checks.check_same_size(a, a_name, b, b_name, -1, "embedding dim D")
     _checks.check_same_device_dtype([(a, a_name), (b, b_name)])
+
+
+def _plain_pair(a: object, t: object, min_batch: int) -> bool:
+    """Whether ``a`` and ``t`` pass every static check of :func:`_pair_and_ids`: plain
+    floating ``(B, D)`` tensors of one shape, dtype and device, ``B >= min_batch``,
+    ``D > 0`` (a subclass or anything else: the checks decide, and word the error)."""
+    return (
+        type(a) is Tensor
+        and type(t) is Tensor
+        and a.dim() == 2
+        and a.shape == t.shape
+        and a.dtype == t.dtype
+        and a.is_floating_point()
+        and a.device == t.device
+        and a.shape[0] >= min_batch
+        and a.shape[1] > 0
+    )
 
 
 def _pair_and_ids(
@@ -372,9 +398,12 @@ def _pair_and_ids(
     one reduction per tensor refuses NaN/Inf as well as logits that overflow (the norms
     and the finiteness checked apart cost 4 reductions and 4 host reads)."""
     values = validate and normalize  # normalize=False: the values in _logit_range
-    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch, values)
-    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, values)
-    _check_pair(a, "audio", t, "text")
+    # the usual call passes every static check at a glance; else each runs, in turn
+    static = not _plain_pair(audio, text, min_batch)
+    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch, values, static=static)
+    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, values, static=static)
+    if static:
+        _check_pair(a, "audio", t, "text")
     if ids is not None:
         ids = _checks.check_ids(ids, "ids", a.shape[0], a)
     return a, t, ids
