@@ -343,8 +343,8 @@ def _bounded_at_a_glance(
     entries in all (float32 sums of ``n`` squares are off by at most ``n`` units of
     ``2^-24`` each way). A total norm is finite only where every entry is, so a NaN or
     Inf never passes here. False says nothing: the exact check decides (and names the
-    tensor at fault). Two reductions and two host reads for the four of the exact check
-    (a third of its cost at ``B = 32``)."""
+    tensor at fault). Two reductions and two host reads, where the exact check takes
+    four reductions (a norm per row, then their max, for each tensor) and two reads."""
     if x.is_meta or y.is_meta:  # the exact check words it
         return False
     bound = (_checks.total_norm(x) + abs(radius)) * _checks.total_norm(y)
@@ -494,10 +494,10 @@ def _tile_width(chunk_size: int | None, columns: int) -> int | None:
 
 # From this batch size on, info_nce's one-process mean takes the t->a term from a
 # log-softmax down the logits' columns: the cross-entropy of the transposed logits (a
-# strided view) cost 1.28x open_clip's two-matmul loss at B = 1024, D = 64 (its gradient
+# strided view) cost 1.28x open_clip's two-matmul maths at B = 1024, D = 64 (its gradient
 # reached the logits transposed, whose strided sum took a third of the step); 0.93x this
 # way. Below it the transposed view's one fused call is cheaper (0.84x against 0.95x at
-# B = 32).
+# B = 32; the maths alone, forward and backward, one CPU thread).
 _COLUMN_SOFTMAX_MIN = 128
 
 
@@ -518,8 +518,8 @@ def _info_nce_means(a: Tensor, t: Tensor, scale: float | Tensor) -> tuple[Tensor
 
 
 # Small constant tensors a dense one-process call rebuilds each time (the labels 0..B-1,
-# SigLIP's +-1 signs): on the CPU, where building one costs as much as a check (5% of a
-# call at B = 32), kept per key, a few at a time.
+# SigLIP's +-1 signs): on the CPU, where building one costs about as much as a check,
+# kept per key, a few at a time.
 _CONSTANTS: dict[tuple[object, ...], Tensor] = {}
 _MAX_CONSTANTS = 16
 
