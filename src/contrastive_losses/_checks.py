@@ -108,13 +108,13 @@ def check_materialised(x: Tensor, name: str) -> None:
     Called by the value checks, after the device checks (which word a meta tensor next to
     a CPU one as a device mismatch).
     """
-    if x.device.type == "meta":
+    if x.is_meta:
         raise ValueError(f"{name}: on device meta, which holds no values; materialise it first")
 
 
 def check_float(x: Tensor, name: str) -> None:
     """``x`` must have a floating dtype (float16, bfloat16, float32, float64)."""
-    if not torch.is_floating_point(x):
+    if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
 
 
@@ -188,6 +188,16 @@ def peak_row_norm(x: Tensor, name: str) -> float:
         return peak
     check_finite(x, name)
     return float(exact_row_norms(x, torch.float64).max().item())
+
+
+def total_norm(x: Tensor) -> float:
+    """The L2 norm of all of ``x`` (at least its largest row's), read to the host: one
+    reduction in float32 (float64 for float64 ``x``). Finite only where every entry is
+    (a NaN or Inf entry gives NaN or Inf; so may squares beyond the float32 range, of
+    finite entries). 0 for an empty ``x``."""
+    if x.dtype in _EXACT_NORMS:
+        return float(torch.linalg.vector_norm(x.detach()).item())
+    return float(torch.linalg.vector_norm(x.detach(), dtype=torch.float32).item())
 
 
 def peak_scaled_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -384,7 +394,7 @@ def check_scalar(
             check_float(value, name)
         if not validate:
             return None
-        return float(value.detach())
+        return float(value.item())  # item: no graph, no warning, cheaper than float()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise TypeError(f"{name}: expected a float or a 0-d tensor, got {type(value).__name__}")

@@ -12,6 +12,7 @@ re-exported by :mod:`contrastive_losses.losses` and :mod:`contrastive_losses.fun
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,7 +25,7 @@ from . import _checks, _compat
 from ._kernels import _TiledCrossEntropy, _UpperClamp, distinct_ids, l2_normalize
 from ._param_watch import ParameterWatch
 from ._warnings import told, warn_at_caller
-from .distributed import all_gather_no_grad, all_gather_with_grad
+from .distributed import Validation, all_gather_no_grad, all_gather_with_grad
 
 Terms = dict[str, Tensor]
 
@@ -116,7 +117,7 @@ def _check_logit_scale(
     value = None
     if validate:
         _checks.check_materialised(logit_scale, name)
-        value = float(logit_scale.detach())
+        value = float(logit_scale.item())  # item: no graph, no warning
         if not (0 < value <= 1 / MIN_TEMPERATURE):  # False for NaN
             raise ValueError(
                 f"{name}: must be finite and in (0, {1 / MIN_TEMPERATURE:g}] (1/temperature, "
@@ -256,13 +257,23 @@ def _value_dtype(value: float | Tensor) -> torch.dtype | str:
 
 
 def _embeddings(
-    x: object, name: str, dims: str, normalize: bool, min_batch: int = 2, validate: bool = True
+    x: object,
+    name: str,
+    dims: str,
+    normalize: bool,
+    min_batch: int = 2,
+    validate: bool = True,
+    *,
+    static: bool = True,
 ) -> Tensor:
     """Validate an embedding input and (optionally) normalise it; one pass over ``x``.
-    The value checks (NaN/Inf, zero rows) with ``validate`` only."""
-    x = _checks.check_embeddings(
-        x, name, ndim=dims.count(",") + 1, dims=dims, min_batch=min_batch, check_values=False
-    )
+    The value checks (NaN/Inf, zero rows) with ``validate`` only; the static ones unless
+    the caller has seen them pass (``static=False``)."""
+    if static:
+        x = _checks.check_embeddings(
+            x, name, ndim=dims.count(",") + 1, dims=dims, min_batch=min_batch, check_values=False
+        )
+    x = typing.cast(Tensor, x)
     if not normalize and not validate:
         return x
     norms = _checks.check_row_norms(x, name, nonzero=normalize, validate=validate)
@@ -272,7 +283,7 @@ def _embeddings(
 def _host_float(value: float | Tensor) -> float:
     """A number or a 0-d tensor's value as a float, read without its graph (a learnable
     scale requires grad; reading it must not warn or build anything)."""
-    return float(value.detach().item()) if isinstance(value, Tensor) else float(value)
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
 def _logit_range(
@@ -294,10 +305,16 @@ def _logit_range(
     wrong values (float16 rows of 65504: NaN dense, 4096 and 3840 tiled; true log 4).
     The largest norms (:func:`_checks.peak_row_norm`) also refuse NaN/Inf entries, named
     as :func:`_checks.check_finite` names them: :func:`_pair_and_ids` leaves that check
-    to this function with ``normalize=False``."""
+    to this function with ``normalize=False``.
+
+    Each pair is first judged at a glance (:func:`_bounded_at_a_glance`, a cheaper
+    reduction that can only pass where the exact check passes); the exact check runs,
+    raising its own error, where that does not settle it."""
     if normalize or not validate:
         return
     for x, x_name, y, y_name in pairs:
+        if _bounded_at_a_glance(x, y, temperature, scale, shift, radius):
+            continue
         hi = _checks.peak_row_norm(x, x_name) + abs(radius)
         hi *= _checks.peak_row_norm(y, y_name)
         hi *= _host_float(scale) / _host_float(temperature)
@@ -312,10 +329,58 @@ def _logit_range(
             )
 
 
+def _bounded_at_a_glance(
+    x: Tensor,
+    y: Tensor,
+    temperature: float | Tensor,
+    scale: float | Tensor,
+    shift: float | Tensor,
+    radius: float,
+) -> bool:
+    """True where :func:`_logit_range` surely passes ``(x, y)``: the bound taken with the
+    norms of the whole tensors (:func:`_checks.total_norm`, at least every row's) stays
+    below the limit with room for their rounding, ``(1.01 + 2.4e-7 n)^2`` for ``n``
+    entries in all (float32 sums of ``n`` squares are off by at most ``n`` units of
+    ``2^-24`` each way). A total norm is finite only where every entry is, so a NaN or
+    Inf never passes here. False says nothing: the exact check decides (and names the
+    tensor at fault). Two reductions and two host reads, where the exact check takes
+    four reductions (a norm per row, then their max, for each tensor) and two reads."""
+    if x.is_meta or y.is_meta:  # the exact check words it
+        return False
+    bound = (_checks.total_norm(x) + abs(radius)) * _checks.total_norm(y)
+    bound = bound * (_host_float(scale) / _host_float(temperature)) + abs(_host_float(shift))
+    room = (1.01 + 2.4e-7 * (x.numel() + y.numel())) ** 2
+    limit = _QUARTER_MAX.get(x.dtype)
+    if limit is None:
+        limit = _QUARTER_MAX[x.dtype] = torch.finfo(x.dtype).max / 4
+    return bound * room <= limit  # False for NaN
+
+
+# A quarter of each floating dtype's max (the logits' limit), as each is first met.
+_QUARTER_MAX: dict[torch.dtype, float] = {}
+
+
 def _check_pair(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
     _checks.check_same_size(a, a_name, b, b_name, 0, "batch size B")
     _checks.check_same_size(a, a_name, b, b_name, -1, "embedding dim D")
     _checks.check_same_device_dtype([(a, a_name), (b, b_name)])
+
+
+def _plain_pair(a: object, t: object, min_batch: int) -> bool:
+    """Whether ``a`` and ``t`` pass every static check of :func:`_pair_and_ids`: plain
+    floating ``(B, D)`` tensors of one shape, dtype and device, ``B >= min_batch``,
+    ``D > 0`` (a subclass or anything else: the checks decide, and word the error)."""
+    return (
+        type(a) is Tensor
+        and type(t) is Tensor
+        and a.dim() == 2
+        and a.shape == t.shape
+        and a.dtype == t.dtype
+        and a.is_floating_point()
+        and a.device == t.device
+        and a.shape[0] >= min_batch
+        and a.shape[1] > 0
+    )
 
 
 def _pair_and_ids(
@@ -333,12 +398,37 @@ def _pair_and_ids(
     one reduction per tensor refuses NaN/Inf as well as logits that overflow (the norms
     and the finiteness checked apart cost 4 reductions and 4 host reads)."""
     values = validate and normalize  # normalize=False: the values in _logit_range
-    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch, values)
-    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, values)
-    _check_pair(a, "audio", t, "text")
+    # the usual call passes every static check at a glance; else each runs, in turn
+    static = not _plain_pair(audio, text, min_batch)
+    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch, values, static=static)
+    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, values, static=static)
+    if static:
+        _check_pair(a, "audio", t, "text")
     if ids is not None:
         ids = _checks.check_ids(ids, "ids", a.shape[0], a)
     return a, t, ids
+
+
+def _agree_pair(
+    v: Validation,
+    a: Tensor,
+    t: Tensor,
+    ids: Tensor | None,
+    reduction: str,
+    chunk_size: int | None,
+    normalize: bool,
+    scale_settings: dict[str, object],
+) -> None:
+    """What the ranks compare of a call on one ``(audio, text)`` pair (InfoNCE, SigLIP):
+    the tensors they gather, the scale's settings (first) and the common ones."""
+    v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
+    v.settings(
+        **scale_settings,
+        reduction=reduction,
+        chunk_size=chunk_size,
+        normalize=normalize,
+        ids_given=ids is not None,
+    )
 
 
 @dataclass
@@ -402,15 +492,56 @@ def _tile_width(chunk_size: int | None, columns: int) -> int | None:
     return chunk_size if chunk_size is not None and chunk_size < columns else None
 
 
+# From this batch size on, info_nce's one-process mean takes the t->a term from a
+# log-softmax down the logits' columns: the cross-entropy of the transposed logits (a
+# strided view) cost 1.28x open_clip's two-matmul maths at B = 1024, D = 64 (its gradient
+# reached the logits transposed, whose strided sum took a third of the step); 0.93x this
+# way. Below it the transposed view's one fused call is cheaper (0.84x against 0.95x at
+# B = 32; the maths alone, forward and backward, one CPU thread).
+_COLUMN_SOFTMAX_MIN = 128
+
+
 def _info_nce_means(a: Tensor, t: Tensor, scale: float | Tensor) -> tuple[Tensor, Tensor]:
     """The mean a->t and t->a cross-entropies of one process's ``(B, D)`` batch without
     ids, dense: :func:`_info_nce_rows` reduced by ``"mean"``, in two fused
     ``F.cross_entropy`` calls (open_clip's ops) instead of per-sample losses and five
-    reductions: at ``B = 32`` those cost a quarter of the loss's forward and backward."""
+    reductions: at ``B = 32`` those cost a quarter of the loss's forward and backward.
+    From :data:`_COLUMN_SOFTMAX_MIN` rows on the t->a mean is the diagonal's mean of the
+    log-softmax down the columns, the same value and gradients to rounding."""
     a = a * scale  # the (B, D) side, not the (B, B) logits; as in _info_nce_rows
     logits = a @ t.T  # (B, B)
-    target = torch.arange(a.shape[0], device=a.device)
-    return F.cross_entropy(logits, target), F.cross_entropy(logits.T, target)
+    b = a.shape[0]
+    target = _cpu_constant(("labels", b), a, lambda: torch.arange(b, device=a.device))
+    if b < _COLUMN_SOFTMAX_MIN:
+        return F.cross_entropy(logits, target), F.cross_entropy(logits.T, target)
+    return F.cross_entropy(logits, target), -F.log_softmax(logits, dim=0).diagonal().mean()
+
+
+# Small constant tensors a dense one-process call rebuilds each time (the labels 0..B-1,
+# SigLIP's +-1 signs): on the CPU, where building one costs about as much as a check,
+# kept per key, a few at a time.
+_CONSTANTS: dict[tuple[object, ...], Tensor] = {}
+_MAX_CONSTANTS = 16
+
+
+def _cpu_constant(key: tuple[object, ...], ref: Tensor, make: Callable[[], Tensor]) -> Tensor:
+    """``make()``, a tensor never written to or differentiated, kept under ``key`` (which
+    must name all it depends on but the device) where that is safe: eager, ``ref`` a
+    plain CPU tensor (not fake, meta, nor another subclass), ``make()`` a plain tensor
+    too; made outside inference mode, so that autograd may save it in any later call.
+    Else ``make()`` afresh."""
+    if type(ref) is not Tensor or not ref.is_cpu or _compat.is_compiling():
+        return make()
+    value = _CONSTANTS.get(key)
+    if value is None:
+        with torch.inference_mode(False):
+            value = make()
+        if type(value) is not Tensor:  # made under a mode that wraps what it makes
+            return value
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = value
+    return value
 
 
 def _info_nce_rows(

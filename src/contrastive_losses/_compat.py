@@ -102,6 +102,23 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")  # have autocast in every torch (no query ne
 _AUTOCAST_BY_DEVICE = TORCH[:2] >= (2, 4)
 
 
+# Whether a region is on for CPU, CUDA or a few other devices (not MPS), one query without
+# a device string (private: where a torch lacks it, the per-device query runs).
+_ANY_AUTOCAST: Callable[[], bool] | None = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _no_cpu_cuda_autocast(x: torch.Tensor) -> bool:
+    """Quickly, whether ``x`` is on the CPU or a CUDA device with no autocast region on
+    there: ``False`` says nothing (another device, no quick query, or dynamo tracing,
+    which need not know the private query)."""
+    return (
+        _ANY_AUTOCAST is not None
+        and (x.is_cpu or x.is_cuda)
+        and not is_compiling()
+        and not _ANY_AUTOCAST()
+    )
+
+
 def _autocast_enabled(device_type: str) -> bool:
     """Whether an autocast region is on for ``device_type`` (torch < 2.4: CUDA and CPU
     only, the two it has)."""
@@ -118,8 +135,8 @@ def autocast_off(fn: _F) -> _F:
     on that device: inside a user's ``torch.autocast`` region a loss computes in its
     inputs' dtypes exactly as outside it, so float32 inputs give the plain float32 loss
     (autocast would run its matmuls, ``addmm`` and softplus in half precision: SigLIP
-    returned bfloat16). Free outside a region (one query); traced by ``torch.compile``
-    without a graph break."""
+    returned bfloat16). Free outside a region (one query on CPU and CUDA);
+    traced by ``torch.compile`` without a graph break."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -128,7 +145,9 @@ def autocast_off(fn: _F) -> _F:
             first = next(
                 (x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None
             )
-        if first is None or not _autocast_enabled(first.device.type):
+        if first is None or _no_cpu_cuda_autocast(first):
+            return fn(*args, **kwargs)
+        if not _autocast_enabled(first.device.type):
             return fn(*args, **kwargs)
         with torch.autocast(first.device.type, enabled=False):
             return fn(*args, **kwargs)

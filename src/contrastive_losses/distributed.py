@@ -41,7 +41,7 @@ import typing
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -502,7 +502,6 @@ def _disagreement(names: list[str], rows: list[list[int]]) -> str | None:
     return None
 
 
-@contextmanager
 def validate_together(
     enabled: bool,
     ref: object,
@@ -511,7 +510,7 @@ def validate_together(
     min_global: int = 2,
     validate: bool = True,
     requested: bool | None = False,
-) -> Iterator[Validation]:
+) -> AbstractContextManager[Validation]:
     """Run a loss's input checks so that all ranks raise together or none does.
 
     Without gathering this only passes ``min_batch = min_global`` to the checks. Under
@@ -561,10 +560,17 @@ def validate_together(
     raises there alone (its peers wait in the next collective), and neither the
     settings, the shapes nor the global batch size are compared.
     """
-    v = Validation(min_batch=0 if enabled else min_global)
-    if not enabled:
-        yield v
-        return
+    if not enabled:  # one process: nothing to exchange (a plain block, no generator)
+        return nullcontext(Validation(min_batch=min_global))
+    return _validate_together(ref, name, min_global, validate, requested)
+
+
+@contextmanager
+def _validate_together(
+    ref: object, name: str, min_global: int, validate: bool, requested: bool | None
+) -> Iterator[Validation]:
+    """:func:`validate_together` under gather."""
+    v = Validation(min_batch=0)
     device = _device(ref)
     if _compat.is_compiling():  # traced: no ContextVar, no object collective
         with _validate_traced(v, device, name, min_global, _requested(requested)):

@@ -14,6 +14,7 @@ from . import _checks, _compat
 from ._common import (
     ContrastivePair,
     Terms,
+    _agree_pair,
     _finish,
     _info_nce_means,
     _info_nce_rows,
@@ -102,19 +103,16 @@ def info_nce(
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale)
         v.batch = a.shape[0]
-        v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
-        v.settings(
-            **_scale_setting(temperature, logit_scale),
-            reduction=reduction,
-            chunk_size=chunk_size,
-            normalize=normalize,
-            ids_given=ids is not None,
-        )
+        if v.active:  # the ranks check together (else nothing is recorded)
+            settings = _scale_setting(temperature, logit_scale)
+            _agree_pair(v, a, t, ids, reduction, chunk_size, normalize, settings)
     if reduction == "mean" and ids is None and not enabled:
         if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
             mean_a2t, mean_t2a = _info_nce_means(a, t, scale)
-            terms = {"loss_a2t": mean_a2t, "loss_t2a": mean_t2a}
-            return _finish((mean_a2t + mean_t2a) / 2, terms, return_terms)
+            loss = (mean_a2t + mean_t2a) / 2
+            if not return_terms:
+                return loss
+            return _finish(loss, {"loss_a2t": mean_a2t, "loss_t2a": mean_t2a}, True)
     a2t, t2a, batch = _info_nce_rows(a, t, scale, ids, enabled, chunk_size, validate)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     if not return_terms:  # the terms' reductions cost as much as the loss's at small B

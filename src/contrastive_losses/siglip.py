@@ -21,8 +21,10 @@ from ._common import (
     MIN_TEMPERATURE,
     ContrastivePair,
     Terms,
+    _agree_pair,
     _batch,
     _check_logit_scale,
+    _cpu_constant,
     _finish,
     _gather,
     _gather_no_grad,
@@ -181,16 +183,14 @@ def siglip(
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
         _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale, shift=bias)
         v.batch = a.shape[0]
-        v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
-        v.settings(
-            **{"logit_scale" if logit_scale is not None else "scale": scale},
-            **{"logit_bias" if logit_bias is not None else "bias": bias},
-            **{"scale dtype": _value_dtype(scale), "bias dtype": _value_dtype(bias)},
-            reduction=reduction,
-            chunk_size=chunk_size,
-            normalize=normalize,
-            ids_given=ids is not None,
-        )
+        if v.active:  # the ranks check together (else nothing is recorded)
+            settings = {
+                "logit_scale" if logit_scale is not None else "scale": scale,
+                "logit_bias" if logit_bias is not None else "bias": bias,
+                "scale dtype": _value_dtype(scale),
+                "bias dtype": _value_dtype(bias),
+            }
+            _agree_pair(v, a, t, ids, reduction, chunk_size, normalize, settings)
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     chunk = _tile_width(chunk_size, t_all.shape[0])
@@ -238,17 +238,25 @@ def _dense_pair_losses(
     positives' sign flip is in place, and ``softplus(-z l)`` (= ``-logsigmoid(z l)``)
     needs no sign matrix above :data:`_SIGN_PRODUCT_MAX` pairs; up to it a product with
     a ``+-1`` matrix flips them (exact either way)."""
-    b_t = _as_tensor(bias, a).to(a.dtype)  # a float stays symbolic under compile
+    b_t = _as_tensor(bias, a)  # a float stays symbolic under compile
+    if b_t.dtype != a.dtype:
+        b_t = b_t.to(a.dtype)
     logits = torch.addmm(b_t, a * scale, t_all.T)  # (b, N)
     if ids is None and logits.numel() <= _SIGN_PRODUCT_MAX:
-        sign = torch.ones_like(logits)
-        sign.diagonal(offset=offset).fill_(-1)
-        logits = logits.mul_(sign)
+        key = ("signs", *logits.shape, offset, logits.dtype)
+        logits = logits.mul_(_cpu_constant(key, logits, lambda: _signs(logits, offset)))
     elif ids is None:
         logits.diagonal(offset=offset).neg_()
     else:
         logits = torch.where(ids[:, None] == ids_all[None, :], -logits, logits)  # type: ignore[index]
     return F.softplus(logits)
+
+
+def _signs(logits: Tensor, offset: int) -> Tensor:
+    """``+1`` in ``logits``' shape, dtype and device, ``-1`` on the positives' diagonal."""
+    sign = torch.ones_like(logits)
+    sign.diagonal(offset=offset).fill_(-1)
+    return sign
 
 
 # How the watch on parameters left out of the optimizer names log_scale and bias.

@@ -112,7 +112,8 @@ class _OpenClipSettings(nn.Module):
 
     def _base_settings(self) -> dict[str, Any]:
         """The keyword arguments ``loss`` (without ``svr``) passes its functional form."""
-        return typing.cast(_LossSettings, self.loss)._settings()
+        # from _modules itself: nn.Module's __getattr__ is a Python-level lookup (~1 us)
+        return typing.cast(_LossSettings, self._modules["loss"])._settings()
 
     @property
     def gather(self) -> bool:
@@ -300,24 +301,28 @@ class ClipLoss(_OpenClipSettings):
         self._check_world(image_features)
         if logit_bias is not None:  # one bias for every logit, as the scale
             _check_logit_scale(logit_bias, image_features, False, "logit_bias", is_scale=False)
-        # local_loss picks the collective after the loss (an int64 all-reduce or a float
-        # one): compared in the loss's exchange, before either
-        with outer_settings(local_loss=bool(self.local_loss)):
-            if self.svr is None:  # the functional form, as self.loss calls it
-                settings = self._base_settings()
-                out = info_nce(
-                    image_features, text_features, ids=ids, logit_scale=logit_scale, **settings
-                )
-                loss = typing.cast(Tensor, out)
-            else:
-                loss = self.loss(image_features, text_features, ids, logit_scale=logit_scale)
         if self.gather:
+            # local_loss picks the collective after the loss (an int64 all-reduce or a
+            # float one): compared in the loss's exchange, before either
+            with outer_settings(local_loss=bool(self.local_loss)):
+                loss = self._clip_loss(image_features, text_features, logit_scale, ids)
             loss = (
                 self._rank_mean(loss, image_features) if self.local_loss else _mean_over_ranks(loss)
             )
+        else:
+            loss = self._clip_loss(image_features, text_features, logit_scale, ids)
         if logit_bias is not None:  # cancels in the softmax: a zero gradient, no new value
             loss = loss + 0.0 * logit_bias
         return {"contrastive_loss": loss} if output_dict else loss
+
+    def _clip_loss(
+        self, image: Tensor, text: Tensor, logit_scale: Tensor, ids: Tensor | None
+    ) -> Tensor:
+        """The library's loss of this rank's rows (before open_clip's per-rank value)."""
+        if self.svr is None:  # the functional form, as self.loss calls it
+            out = info_nce(image, text, ids=ids, logit_scale=logit_scale, **self._base_settings())
+            return typing.cast(Tensor, out)
+        return typing.cast(Tensor, self.loss(image, text, ids, logit_scale=logit_scale))
 
 
 @init_doc
