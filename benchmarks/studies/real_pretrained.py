@@ -287,7 +287,7 @@ def top_run(
     then ``TOP_EPOCHS`` more epochs with Whisper's top block trainable (Adam ``TOP_LR``,
     warm-up and cosine), the same loss."""
     assert _STATES is not None
-    start, arm = time.perf_counter(), method.removesuffix("_top")
+    start, arm, started = time.perf_counter(), method.removesuffix("_top"), time.time()
     prep = rm.prepare(data, seed, 0.0, arm)
     torch.manual_seed(seed)
     towers = rm.make_towers(prep, arm).to(device)
@@ -317,6 +317,7 @@ def top_run(
         out["mrv_shuffled"] = rm.evaluate(
             towers2, prep2, "test", shuffle=common.generator(40_000 + seed))["mrv"]  # fmt: skip
     out["seconds"] = time.perf_counter() - start
+    out["started_at"], out["finished_at"] = started, time.time()
     print(f"seed {seed} {method:<12} val {100 * out['val_t2a_R@1']:.2f} (head "
           f"{100 * head_val:.2f}) test {100 * out.get('t2a_R@1', math.nan):.2f} "
           f"({out['seconds']:.0f} s)", flush=True)  # fmt: skip
@@ -408,14 +409,23 @@ def arm_table(runs: list[dict], methods: tuple[str, ...], chance: float) -> str:
 
 
 def contrast_rows(contrasts: list[dict], scale: float, digits: int) -> list[list[object]]:
+    """One row per contrast with two seeds or more; the Holm column where it was tested."""
     rows = []
     for c in contrasts:
         if "p" not in c:
             continue
         lo, hi, mean = (scale * c[k] for k in ("low", "high", "mean"))
-        rows.append([f"{c['arm']} − {c['ref']}", c["n"], f"{mean:+.{digits}f}",
-                     f"[{lo:+.{digits}f}, {hi:+.{digits}f}]", f"{c['ahead']}/{c['n']}",
-                     f"{c['p']:.3g}", "yes" if c.get("survives_holm") else "no"])  # fmt: skip
+        row = [
+            f"{c['arm']} − {c['ref']}",
+            c["n"],
+            f"{mean:+.{digits}f}",
+            f"[{lo:+.{digits}f}, {hi:+.{digits}f}]",
+            f"{c['ahead']}/{c['n']}",
+            f"{c['p']:.3g}",
+        ]
+        if "survives_holm" in c:
+            row.append("yes" if c["survives_holm"] else "no")
+        rows.append(row)  # fmt: skip
     return rows
 
 
@@ -459,15 +469,15 @@ def markdown(runs: list[dict], refs: dict[str, Any], setup: dict[str, Any], seco
         "",
         arm_table(runs, METHODS, chance),
         "",
-        "## Paired contrasts, T2A R@1 (points; Holm over the family of "
-        f"{len(CONTRASTS)})",
+        "## Paired contrasts, T2A R@1 (points; Holm over the family of the "
+        f"{sum('p' in c for c in contrasts['t2a_R@1'])} with two seeds or more)",
         "",
         common.table(["contrast", "seeds", "mean", "95 % CI", "ahead", "p (t-test)",
                       "survives Holm at 0.05"], contrast_rows(contrasts["t2a_R@1"], 100, 2)),
         "",
         "## The same pairs on MRV (lower is more consistent; not part of the tested family)",
         "",
-        common.table(["contrast", "seeds", "mean", "95 % CI", "above 0", "p (t-test)", "–"],
+        common.table(["contrast", "seeds", "mean", "95 % CI", "above 0", "p (t-test)"],
                      contrast_rows(contrasts["mrv"], 1, 0)),
         "",
         "## References without training (test galleries)",
@@ -558,6 +568,9 @@ def study(
         partial = args.cache / f"{NAME}-{settings_key(digest)}.jsonl"
         runs = run_arms(data, args, partial)
         seconds = time.perf_counter() - start
+        if args.collect:  # the runs' own span (they may come from several invocations)
+            spans = [r for r in runs if "started_at" in r]
+            seconds = max(r["finished_at"] for r in spans) - min(r["started_at"] for r in spans)
         refs = references(data, clips, args)
     contrasts = contrasts_of(runs)
     md = markdown(runs, refs, setup, seconds, contrasts) + "\n" + PROBES + "\n" + INTERPRETATION
@@ -608,12 +621,65 @@ def extra_arguments(parser: argparse.ArgumentParser) -> None:
 
 PROBES = """## How the settings were chosen (validation only, before the run)
 
-(filled in from the probes' log)
+`--probe` trains on the training split and evaluates the validation galleries (never the
+test split), random-language InfoNCE, 60 epochs unless said. Validation T2A R@1, %:
+
+| setting | seed 0 | seed 1 |
+|---|---|---|
+| head: hidden 512, dropout 0.2, lr 1e-3 (the first guess) | 30.05 | – |
+| dropout 0.1 | 28.45 | – |
+| dropout 0.3 | 30.03 | 30.18 |
+| **dropout 0.4** (chosen) | **30.50** | **31.14** |
+| dropout 0.5 | 30.47 | 29.53 |
+| hidden 1024 (dropout 0.2) | 29.15 | – |
+| lr 3e-4 (dropout 0.2) | 28.59 | – |
+| top block, 2 more epochs after the head, lr 1e-4 (chosen) | 29.76 (head 30.50) | – |
+| top block, lr 3e-5 | 29.51 (head 30.50) | – |
+
+The validation curve of the chosen head flattens after ~45 epochs (27.3, 29.7, 30.8, 30.5
+at 15, 30, 45, 60), so 60 epochs were kept. Both probed rates of the top-block stage
+ended below the head alone on validation; the variant is run as the issue asks, with the
+better of the two, and reported as it comes out. Not probed: a clip's own length against
+the clip plus one second of silence (`whisper_window.md`: the silence moves the states
+halfway to the padded window's), attention pooling, e5's top layer trainable.
 """
 
 INTERPRETATION = """## Interpretation
 
-(written after the run)
+Written after the run; every interval a 95 % t-interval of seed-paired differences (T2A
+R@1 points), "n/N" the seeds ahead.
+
+- **A pretrained encoder puts the task in reach.** Frozen Whisper base and a one-layer
+  head: random-language InfoNCE @@random_ci@@ % (@@random_x@@x chance; the from-scratch
+  tower of `real_multilingual.md` reached 7.4x), and the length-only control @@length_ci@@ %
+  (@@length_diff@@): the head hears words, not durations. The cascade, Whisper's own
+  transcript in the spoken language embedded by e5, reaches @@cascade@@ % with no
+  training: what a transcript is worth is the ceiling a frozen encoder's head has not
+  reached.
+- **Seeing every caption a step is what helps; KCL's form is not.** InfoNCE over all K
+  captions as extra pairs @@pairs_diff@@, KCL @@kcl_diff@@, KCL minus the all-pairs
+  control @@kcl_pairs@@. ATRI's 1-to-K gain (Tab. 1) shows here only as much as the
+  compute-matched control gives, and less.
+- **CACL loses** @@cacl_diff@@, and raises MRV (@@cacl_mrv@@): with a frozen text side its
+  English-other term is idle, and its two audio terms pull every clip towards its English
+  caption and one other language each step; our reading (not tested) is that the other
+  caption languages pay for the English weight.
+- **MRV is no consistency score with a frozen text side.** An audio embedding equal to
+  e5's English caption gets MRV @@mrv_oracle_en@@ (at @@r1_oracle_en@@ % R@1), the
+  centroid of the clip's 12 captions @@mrv_oracle_c@@; the arms sit at @@mrv_random@@
+  (random) to @@mrv_cacl@@ (CACL). KCL @@kcl_mrv@@ against random.
+- **SVR** (the library's defaults, beta 1, over the baseline) static @@svr_static_diff@@,
+  its radius rising 0.10 -> 0.52 through training; dynamic @@svr_dynamic_diff@@, its
+  radius ending at ~1.44, above `‖a − t‖` for every anchor (`radius_over_distance` 1.0 at
+  the last step in every seed), where the perpendicular pushes are reversed. **ASK** (a
+  bank of the training clips) @@ask_diff@@: its bank holds other descriptions' recordings,
+  of no use for descriptions never seen. Neither helps here, as in the from-scratch study.
+- **The top block trainable** (two epochs after the head, lr 1e-4; fixed on validation,
+  where both probed rates ended below the head alone): @@top_diff@@ against the head
+  alone, KCL over random there @@kcl_top_diff@@ (@@seeds_top@@ seeds).
+- Read with the setting in mind: a frozen text side (ATRI trains both towers), short
+  name-like captions (median 3 words), one speaker per language, Whisper base (the
+  smallest multilingual Whisper with the words; small was not run: no GPU this session).
 """
 
 
