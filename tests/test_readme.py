@@ -64,8 +64,8 @@ def test_which_loss_section_cites_studies_that_exist():
     docs page with the rest, by links that resolve; the docs index points to that page."""
     section = _section(README.read_text(), "Which loss should I use?")
     links = re.findall(r"\]\(([^)#]+)", section)
-    for study in ("real_multilingual", "real_text_layer", "multilingual", "svr", "svr_regimes",
-                  "ask"):  # fmt: skip
+    for study in ("real_pretrained", "real_multilingual", "real_text_layer", "multilingual",
+                  "svr", "svr_regimes", "ask"):  # fmt: skip
         assert f"benchmarks/results/studies/{study}.md" in links, study
     assert "docs/which_loss.rst" in links
     missing = [link for link in links if not (README.parent / link).is_file()]
@@ -88,6 +88,11 @@ WHICH_LOSS = README.parent / "docs" / "which_loss.rst"
 #: The newest study of each kind and the seed-paired comparisons the pages may quote:
 #: (study, arm, reference arm), the runs keyed by "method" (real_multilingual) or "arm".
 COMPARISONS = [
+    *(("real_pretrained", arm, "random") for arm in (
+        "kcl", "cacl", "pairs_all", "svr_static", "svr_dynamic", "ask", "length_only",
+        "random_top")),
+    ("real_pretrained", "kcl", "pairs_all"),
+    ("real_pretrained", "kcl_top", "random_top"),
     *(("real_multilingual", arm, "random") for arm in (
         "kcl", "cacl", "pairs_all", "random_xK", "svr_static", "svr_dynamic", "ask")),
     ("real_multilingual", "kcl", "pairs_all"),
@@ -100,12 +105,12 @@ COMPARISONS = [
 ]  # fmt: skip
 #: The table of "Which loss should I use?", row by row, in README and on the docs page.
 TABLE = [
-    ("real_multilingual", "kcl", "random"),
-    ("real_multilingual", "pairs_all", "random"),
-    ("real_multilingual", "cacl", "random"),
-    ("real_multilingual", "svr_static", "random"),
-    ("real_multilingual", "svr_dynamic", "random"),
-    ("real_multilingual", "ask", "random"),
+    ("real_pretrained", "kcl", "random"),
+    ("real_pretrained", "pairs_all", "random"),
+    ("real_pretrained", "cacl", "random"),
+    ("real_pretrained", "svr_static", "random"),
+    ("real_pretrained", "svr_dynamic", "random"),
+    ("real_pretrained", "ask", "random"),
 ]
 INTERVAL = re.compile(r"[+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\] \(\d+/\d+ seeds ahead\)")
 

@@ -314,6 +314,7 @@ def top_run(
         out |= {k: t[k] for k in ("t2a_R@1", "a2t_R@1", "mrv", "mrv_chance", "chance_t2a_R@1",
                                   "per_language", "spoken_x_caption")}  # fmt: skip
         out["heldout_recordings_t2a_R@1"] = rm.evaluate_heldout_recordings(towers2, prep2)
+        out["heldout_recordings_chance"] = 1 / max(len(prep2.heldout_rec), 1)
         out["mrv_shuffled"] = rm.evaluate(
             towers2, prep2, "test", shuffle=common.generator(40_000 + seed))["mrv"]  # fmt: skip
     out["seconds"] = time.perf_counter() - start
@@ -575,8 +576,8 @@ def study(
     contrasts = contrasts_of(runs)
     md = markdown(runs, refs, setup, seconds, contrasts) + "\n" + PROBES + "\n" + INTERPRETATION
     print(md)
-    chance = {"t2a_R@1": statistics.fmean(r["chance_t2a_R@1"] for r in runs)}
-    chance |= rm.chance_of(runs)
+    heads = [r for r in runs if r["method"] not in TOP_ARMS] or runs  # the nulls' runs
+    chance = rm.chance_of(heads) | {"t2a_R@1": statistics.fmean(r["chance_t2a_R@1"] for r in runs)}
     results = {"chance": chance, "runs": runs, "references": refs,
                "cascade": refs.get("cascade"), "contrasts": contrasts, "seconds": seconds,
                "figures": plot(runs, refs, args.out_dir)}  # fmt: skip
@@ -650,33 +651,33 @@ Written after the run; every interval a 95 % t-interval of seed-paired differenc
 R@1 points), "n/N" the seeds ahead.
 
 - **A pretrained encoder puts the task in reach.** Frozen Whisper base and a one-layer
-  head: random-language InfoNCE @@random_ci@@ % (@@random_x@@x chance; the from-scratch
-  tower of `real_multilingual.md` reached 7.4x), and the length-only control @@length_ci@@ %
-  (@@length_diff@@): the head hears words, not durations. The cascade, Whisper's own
-  transcript in the spoken language embedded by e5, reaches @@cascade@@ % with no
+  head: random-language InfoNCE 25.37 [25.28, 25.47] % (32x chance; the from-scratch
+  tower of `real_multilingual.md` reached 7.4x), and the length-only control 1.58 [1.52, 1.64] %
+  (-23.78 [-24.02, -23.54] (0/5 seeds ahead)): the head hears words, not durations. The cascade, Whisper's own
+  transcript in the spoken language embedded by e5, reaches 33.72 % with no
   training: what a transcript is worth is the ceiling a frozen encoder's head has not
   reached.
 - **Seeing every caption a step is what helps; KCL's form is not.** InfoNCE over all K
-  captions as extra pairs @@pairs_diff@@, KCL @@kcl_diff@@, KCL minus the all-pairs
-  control @@kcl_pairs@@. ATRI's 1-to-K gain (Tab. 1) shows here only as much as the
+  captions as extra pairs +0.47 [+0.25, +0.68] (10/10 seeds ahead), KCL +0.22 [-0.02, +0.45] (8/10 seeds ahead), KCL minus the all-pairs
+  control -0.25 [-0.30, -0.20] (0/10 seeds ahead). ATRI's 1-to-K gain (Tab. 1) shows here only as much as the
   compute-matched control gives, and less.
-- **CACL loses** @@cacl_diff@@, and raises MRV (@@cacl_mrv@@): with a frozen text side its
+- **CACL loses** -2.15 [-2.36, -1.94] (0/10 seeds ahead), and raises MRV (+42.94 [+41.19, +44.69] (10/10 seeds higher)): with a frozen text side its
   English-other term is idle, and its two audio terms pull every clip towards its English
   caption and one other language each step; our reading (not tested) is that the other
   caption languages pay for the English weight.
 - **MRV is no consistency score with a frozen text side.** An audio embedding equal to
-  e5's English caption gets MRV @@mrv_oracle_en@@ (at @@r1_oracle_en@@ % R@1), the
-  centroid of the clip's 12 captions @@mrv_oracle_c@@; the arms sit at @@mrv_random@@
-  (random) to @@mrv_cacl@@ (CACL). KCL @@kcl_mrv@@ against random.
-- **SVR** (the library's defaults, beta 1, over the baseline) static @@svr_static_diff@@,
-  its radius rising 0.10 -> 0.52 through training; dynamic @@svr_dynamic_diff@@, its
+  e5's English caption gets MRV 268 (at 67.3 % R@1), the
+  centroid of the clip's 12 captions 21; the arms sit at 271
+  (random) to 314 (CACL). KCL +2.99 [+1.51, +4.48] (9/10 seeds higher) against random.
+- **SVR** (the library's defaults, beta 1, over the baseline) static -0.88 [-1.21, -0.54] (0/5 seeds ahead),
+  its radius rising 0.10 -> 0.52 through training; dynamic -5.13 [-5.88, -4.39] (0/5 seeds ahead), its
   radius ending at ~1.44, above `‖a − t‖` for every anchor (`radius_over_distance` 1.0 at
   the last step in every seed), where the perpendicular pushes are reversed. **ASK** (a
-  bank of the training clips) @@ask_diff@@: its bank holds other descriptions' recordings,
+  bank of the training clips) -8.53 [-9.21, -7.85] (0/5 seeds ahead): its bank holds other descriptions' recordings,
   of no use for descriptions never seen. Neither helps here, as in the from-scratch study.
 - **The top block trainable** (two epochs after the head, lr 1e-4; fixed on validation,
-  where both probed rates ended below the head alone): @@top_diff@@ against the head
-  alone, KCL over random there @@kcl_top_diff@@ (@@seeds_top@@ seeds).
+  where both probed rates ended below the head alone): -1.66 [-2.56, -0.76] (0/3 seeds ahead) against the head
+  alone, KCL over random there +0.05 [-0.89, +1.00] (2/3 seeds ahead) (3 seeds).
 - Read with the setting in mind: a frozen text side (ATRI trains both towers), short
   name-like captions (median 3 words), one speaker per language, Whisper base (the
   smallest multilingual Whisper with the words; small was not run: no GPU this session).
