@@ -88,20 +88,17 @@ def test_model_digest_of_the_parts_equals_the_digest_of_the_whole(tmp_path) -> N
         whisper_features.model_digest(tmp_path)
 
 
-def test_t_quantile_matches_the_closed_forms() -> None:
-    # df = 1 is Cauchy: tan(pi (q - 1/2)); df = 2: (2q - 1) / sqrt(2 q (1 - q))
-    assert study.t_quantile(1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-9)
-    assert study.t_quantile(2) == pytest.approx(0.95 / math.sqrt(2 * 0.975 * 0.025), rel=1e-9)
-
-
 def test_paired_contrast_and_holm() -> None:
     runs = [{"method": m, "seed": s, "t2a_R@1": v}
             for m, vals in (("a", [1.0, 2.0, 3.0]), ("b", [0.0, 0.0, 0.0]))
             for s, v in enumerate(vals)]  # fmt: skip
     c = study.paired_contrast(runs, "a", "b")
-    half = study.t_quantile(2) * 1.0 / math.sqrt(3)  # the differences 1, 2, 3: sd 1
+    # the differences 1, 2, 3: sd 1; t quantile at 2 degrees of freedom in closed form,
+    # (2q - 1) / sqrt(2 q (1 - q)) at q = 0.975
+    half = 0.95 / math.sqrt(2 * 0.975 * 0.025) / math.sqrt(3)
     assert (c["mean"], c["ahead"], c["n"]) == (2.0, 3, 3)
     assert c["low"] == pytest.approx(2 - half) and c["high"] == pytest.approx(2 + half)
+    assert study.mean_ci([0.01, 0.02, 0.03]) == f"2.00 [{2 - half:.2f}, {2 + half:.2f}]"
     family = study.holm([{"p": 0.01}, {"p": 0.04}, {"p": 0.03}, {"n": 1}])
     # 0.01 <= 0.05 / 3; then 0.03 > 0.05 / 2 stops the step-down
     assert [f.get("survives_holm") for f in family] == [True, False, False, None]

@@ -756,6 +756,29 @@ def jobs(methods: tuple[str, ...], seeds: int, xk_seeds: int) -> list[tuple[str,
     return xk[:1] + rest + xk[1:]
 
 
+def read_partial(partial: Path | None) -> list[dict[str, Any]]:
+    """The runs appended to ``partial`` (JSON lines; none if it is None or absent)."""
+    if partial is None or not partial.is_file():
+        return []
+    runs = []
+    for line in partial.read_text().splitlines():
+        try:
+            runs.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a killed or concurrent writer
+            continue
+    return runs
+
+
+def append_partial(partial: Path | None, run: dict[str, Any]) -> None:
+    """Append ``run`` to ``partial`` as one JSON line (one write(2): several processes may
+    share the file); nothing if it is None."""
+    if partial is None:
+        return
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    with partial.open("ab", buffering=0) as f:
+        f.write((json.dumps(run) + "\n").encode())
+
+
 def run_all(
     data: RealData,
     methods: tuple[str, ...],
@@ -765,14 +788,9 @@ def run_all(
     """Every job's result; each is appended to ``partial`` (JSON lines) as it finishes,
     and jobs already there (same method, seed and epochs) are not run again."""
     done: dict[tuple[str, int], dict[str, Any]] = {}
-    if partial is not None and partial.is_file():
-        for line in partial.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a killed or concurrent writer
-                continue
-            if r["epochs"] == args.epochs * arm(r["method"], len(data.languages)).epochs_factor:
-                done[(r["method"], r["seed"])] = r
+    for r in read_partial(partial):
+        if r["epochs"] == args.epochs * arm(r["method"], len(data.languages)).epochs_factor:
+            done[(r["method"], r["seed"])] = r
     index, count = (int(x) for x in args.shard.split("/"))
     todo = [j for j in jobs(methods, args.seeds, XK_SEEDS)[index::count] if j not in done]
     if getattr(args, "collect", False):
@@ -780,10 +798,7 @@ def run_all(
 
     def keep(r: dict[str, Any]) -> None:
         done[(r["method"], r["seed"])] = r
-        if partial is not None:
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            with partial.open("ab", buffering=0) as f:  # one write(2) per line, appended
-                f.write((json.dumps(r) + "\n").encode())
+        append_partial(partial, r)
 
     if args.workers <= 1 or not todo:
         _init_worker(data, args.device)

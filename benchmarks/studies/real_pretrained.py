@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import os
 import statistics
@@ -212,29 +211,21 @@ def references(
 # ----------------------------------------------------------------------- statistics
 
 
-def t_quantile(df: int, q: float = 0.975) -> float:
-    from scipy.stats import t  # a dependency of the studies (real_data resamples with scipy)
-
-    return float(t.ppf(q, df))
-
-
 def paired_contrast(runs: list[dict], arm: str, ref: str, key: str = "t2a_R@1") -> dict:
-    """Seed-paired ``arm - ref``: mean, 95 % t-interval, seeds ahead, two-sided t-test p."""
-    a = {r["seed"]: r[key] for r in runs if r["method"] == arm}
-    b = {r["seed"]: r[key] for r in runs if r["method"] == ref}
-    seeds = sorted(set(a) & set(b))
-    diffs = [a[s] - b[s] for s in seeds]
-    n = len(diffs)
-    if n < 2:
-        return {"arm": arm, "ref": ref, "key": key, "n": n}
+    """Seed-paired ``arm - ref`` (``clap_example.compare.paired_difference``: mean, 95 %
+    t-interval, seeds ahead) and the two-sided t-test's p."""
+    from clap_example.compare import paired_difference
     from scipy.stats import ttest_1samp
 
-    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
-    half = t_quantile(n - 1) * sd / math.sqrt(n)
-    p = float(ttest_1samp(diffs, 0.0).pvalue) if sd > 0 else (0.0 if mean else 1.0)
-    ahead = sum(d > 0 for d in diffs)
-    return {"arm": arm, "ref": ref, "key": key, "n": n, "mean": mean, "low": mean - half,
-            "high": mean + half, "ahead": ahead, "p": p}  # fmt: skip
+    a = {r["seed"]: r[key] for r in runs if r["method"] == arm}
+    b = {r["seed"]: r[key] for r in runs if r["method"] == ref}
+    diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+    if len(diffs) < 2:
+        return {"arm": arm, "ref": ref, "key": key, "n": len(diffs)}
+    d = paired_difference(diffs)
+    p = float(ttest_1samp(diffs, 0.0).pvalue) if d.sd > 0 else (0.0 if d.mean else 1.0)
+    return {"arm": arm, "ref": ref, "key": key, "n": d.n, "mean": d.mean, "low": d.low,
+            "high": d.high, "ahead": d.ahead, "p": p}  # fmt: skip
 
 
 def holm(contrasts: list[dict], alpha: float = 0.05) -> list[dict]:
@@ -248,16 +239,16 @@ def holm(contrasts: list[dict], alpha: float = 0.05) -> list[dict]:
 
 
 def mean_ci(values: list[float], scale: float = 100, digits: int = 2) -> str:
-    """``"mean [low, high]"``: the 95 % t-interval of the mean."""
+    """``"mean [low, high]"``: the 95 % t-interval of the mean (``paired_difference`` of
+    the values themselves)."""
+    from clap_example.compare import paired_difference
+
     if any(math.isnan(v) for v in values):
         return "–"
     if len(values) < 2:
         return f"{scale * values[0]:.{digits}f}" if values else "–"
-    m, sd = statistics.fmean(values), statistics.stdev(values)
-    half = t_quantile(len(values) - 1) * sd / math.sqrt(len(values))
-    return (
-        f"{scale * m:.{digits}f} [{scale * (m - half):.{digits}f}, {scale * (m + half):.{digits}f}]"
-    )
+    d = paired_difference([scale * v for v in values])
+    return f"{d.mean:.{digits}f} [{d.low:.{digits}f}, {d.high:.{digits}f}]"
 
 
 # ----------------------------------------------------------------------- top block
@@ -353,21 +344,17 @@ def run_top(
     """The top-block arms on ``args.top_seeds`` seeds, one at a time (each appended to
     ``partial``; those already there are not run again)."""
     done: dict[tuple[str, int], dict] = {}
-    if partial is not None and partial.is_file():
-        for line in partial.read_text().splitlines():
-            r = json.loads(line)
-            same = (r.get(k) for k in ("epochs", "top_epochs", "top_frames", "top_lr"))
-            if r["method"] in TOP_ARMS and tuple(same) == (args.epochs, *top_settings()):
-                done[(r["method"], r["seed"])] = r
+    for r in rm.read_partial(partial):
+        same = (r.get(k) for k in ("epochs", "top_epochs", "top_frames", "top_lr"))
+        if r["method"] in TOP_ARMS and tuple(same) == (args.epochs, *top_settings()):
+            done[(r["method"], r["seed"])] = r
     source = whisper_features.model_folder(args.whisper_dir) if _STATES is not None else None
     for seed in range(args.top_seeds):
         for m in arms:
             if (m, seed) in done or args.collect:
                 continue
             r = done[(m, seed)] = top_run(m, seed, data, source, args.device, True, args.epochs)
-            if partial is not None:
-                with partial.open("ab", buffering=0) as f:
-                    f.write((json.dumps(r) + "\n").encode())
+            rm.append_partial(partial, r)
     return [done[(m, s)] for s in range(args.top_seeds) for m in arms if (m, s) in done]
 
 
@@ -651,33 +638,37 @@ Written after the run; every interval a 95 % t-interval of seed-paired differenc
 R@1 points), "n/N" the seeds ahead.
 
 - **A pretrained encoder puts the task in reach.** Frozen Whisper base and a one-layer
-  head: random-language InfoNCE 25.37 [25.28, 25.47] % (32x chance; the from-scratch
-  tower of `real_multilingual.md` reached 7.4x), and the length-only control 1.58 [1.52, 1.64] %
-  (-23.78 [-24.02, -23.54] (0/5 seeds ahead)): the head hears words, not durations. The cascade, Whisper's own
-  transcript in the spoken language embedded by e5, reaches 33.72 % with no
-  training: what a transcript is worth is the ceiling a frozen encoder's head has not
-  reached.
+  head: random-language InfoNCE 25.37 [25.28, 25.47] % (32x chance; the from-scratch tower
+  of `real_multilingual.md` reached 7.4x), and the length-only control 1.58 [1.52, 1.64] %
+  (-23.78 [-24.02, -23.54] (0/5 seeds ahead)): the head hears words, not durations. The
+  cascade, Whisper's own transcript in the spoken language embedded by e5, reaches 33.72 %
+  with no training: what a transcript is worth is the ceiling a frozen encoder's head has
+  not reached.
 - **Seeing every caption a step is what helps; KCL's form is not.** InfoNCE over all K
-  captions as extra pairs +0.47 [+0.25, +0.68] (10/10 seeds ahead), KCL +0.22 [-0.02, +0.45] (8/10 seeds ahead), KCL minus the all-pairs
-  control -0.25 [-0.30, -0.20] (0/10 seeds ahead). ATRI's 1-to-K gain (Tab. 1) shows here only as much as the
-  compute-matched control gives, and less.
-- **CACL loses** -2.15 [-2.36, -1.94] (0/10 seeds ahead), and raises MRV (+42.94 [+41.19, +44.69] (10/10 seeds higher)): with a frozen text side its
-  English-other term is idle, and its two audio terms pull every clip towards its English
-  caption and one other language each step; our reading (not tested) is that the other
-  caption languages pay for the English weight.
+  captions as extra pairs +0.47 [+0.25, +0.68] (10/10 seeds ahead), KCL +0.22 [-0.02,
+  +0.45] (8/10 seeds ahead), KCL minus the all-pairs control -0.25 [-0.30, -0.20] (0/10
+  seeds ahead). ATRI's 1-to-K gain (Tab. 1) shows here only as much as the compute-matched
+  control gives, and less.
+- **CACL loses** -2.15 [-2.36, -1.94] (0/10 seeds ahead), and raises MRV (+42.94 [+41.19,
+  +44.69] (10/10 seeds higher)): with a frozen text side its English-other term is idle,
+  and its two audio terms pull every clip towards its English caption and one other
+  language each step; our reading (not tested) is that the other caption languages pay for
+  the English weight.
 - **MRV is no consistency score with a frozen text side.** An audio embedding equal to
-  e5's English caption gets MRV 268 (at 67.3 % R@1), the
-  centroid of the clip's 12 captions 21; the arms sit at 271
-  (random) to 314 (CACL). KCL +2.99 [+1.51, +4.48] (9/10 seeds higher) against random.
-- **SVR** (the library's defaults, beta 1, over the baseline) static -0.88 [-1.21, -0.54] (0/5 seeds ahead),
-  its radius rising 0.10 -> 0.52 through training; dynamic -5.13 [-5.88, -4.39] (0/5 seeds ahead), its
-  radius ending at ~1.44, above `‖a − t‖` for every anchor (`radius_over_distance` 1.0 at
-  the last step in every seed), where the perpendicular pushes are reversed. **ASK** (a
-  bank of the training clips) -8.53 [-9.21, -7.85] (0/5 seeds ahead): its bank holds other descriptions' recordings,
-  of no use for descriptions never seen. Neither helps here, as in the from-scratch study.
+  e5's English caption gets MRV 268 (at 67.3 % R@1), the centroid of the clip's 12
+  captions 21; the arms sit at 271 (random) to 314 (CACL). KCL +2.99 [+1.51, +4.48] (9/10
+  seeds higher) against random.
+- **SVR** (the library's defaults, beta 1, over the baseline) static -0.88 [-1.21, -0.54]
+  (0/5 seeds ahead), its radius rising 0.10 -> 0.52 through training; dynamic -5.13
+  [-5.88, -4.39] (0/5 seeds ahead), its radius ending at ~1.44, above `‖a − t‖` for every
+  anchor (`radius_over_distance` 1.0 at the last step in every seed), where the
+  perpendicular pushes are reversed. **ASK** (a bank of the training clips) -8.53 [-9.21,
+  -7.85] (0/5 seeds ahead): its bank holds other descriptions' recordings, of no use for
+  descriptions never seen. Neither helps here, as in the from-scratch study.
 - **The top block trainable** (two epochs after the head, lr 1e-4; fixed on validation,
-  where both probed rates ended below the head alone): -1.66 [-2.56, -0.76] (0/3 seeds ahead) against the head
-  alone, KCL over random there +0.05 [-0.89, +1.00] (2/3 seeds ahead) (3 seeds).
+  where both probed rates ended below the head alone): -1.66 [-2.56, -0.76] (0/3 seeds
+  ahead) against the head alone, KCL over random there +0.05 [-0.89, +1.00] (2/3 seeds
+  ahead) (3 seeds).
 - Read with the setting in mind: a frozen text side (ATRI trains both towers), short
   name-like captions (median 3 words), one speaker per language, Whisper base (the
   smallest multilingual Whisper with the words; small was not run: no GPU this session).
