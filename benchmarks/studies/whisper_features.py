@@ -62,18 +62,15 @@ def model_folder(given: Path | None) -> list[Path] | Path:
 
 
 def model_digest(source: list[Path] | Path) -> str:
-    """SHA-256 of the model's bytes (``model.bin``, or its parts in order): part of every key."""
-    folders = source if isinstance(source, list) else [source]
-    parts = sorted(p for f in folders for p in f.glob("model.bin*"))
-    if not parts:
-        raise FileNotFoundError(f"{folders}: no model.bin (nor its parts)")
+    """SHA-256 of the model's bytes (``model.bin``, or its parts in order, as
+    ``ct2_format.model_files`` finds them): part of every key."""
+    from clap_example.ct2_format import model_files
+
     h = hashlib.sha256()
-    for part in sorted(parts, key=lambda p: (p.name != "model.bin", p.name)):
+    for part in model_files(source):
         with part.open("rb") as f:
             for block in iter(lambda: f.read(1 << 22), b""):
                 h.update(block)
-        if part.name == "model.bin":
-            break
     return h.hexdigest()
 
 
@@ -227,10 +224,10 @@ def _joined(parts: list[Path], cache: Path, digest: str) -> Path:
         for item in f.iterdir():
             if item.suffix == ".json":
                 (folder / item.name).write_bytes(item.read_bytes())
+    from clap_example.ct2_format import model_files
+
     with (folder / "model.bin.tmp").open("wb") as out:
-        for part in sorted(
-            (p for f in parts for p in f.glob("model.bin.part*")), key=lambda p: p.name
-        ):
+        for part in model_files(parts):
             out.write(part.read_bytes())
     (folder / "model.bin.tmp").rename(folder / "model.bin")
     return folder
