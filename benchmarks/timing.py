@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -137,6 +138,31 @@ def median_time(
     stopping after ``budget`` seconds once 3 are done. Returns ``(median, calls timed)``."""
     times = interleaved_times({"fn": fn}, runs, max_time=budget, warmup=warmup)["fn"]
     return statistics.median(times), len(times)
+
+
+def combine_runs(
+    runs: list[list[dict[str, Any]]], key: tuple[str, ...], fields: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Rows of several whole runs of a benchmark, one row per ``key``: each ``field`` the
+    median over the runs, with ``<field>_min`` / ``<field>_max`` (the range) and
+    ``<field>_runs`` (every run's value) beside it; the other entries are the first run's.
+    A committed timing is the median of >= 3 interleaved runs quoted with its range: the
+    runs are interleaved case by case (run 1 of every case, then run 2, ...), so a slow
+    patch of the machine lands on one run of every case, not on every run of one."""
+    combined = []
+    for row in runs[0]:
+        ident = tuple(row[k] for k in key)
+        same = [r for rows in runs for r in rows if tuple(r[k] for k in key) == ident]
+        out = dict(row, runs=len(same))
+        for f in fields:
+            values = [r[f] for r in same if f in r]
+            if not values:
+                continue
+            out[f] = statistics.median(values)
+            out[f"{f}_min"], out[f"{f}_max"] = min(values), max(values)
+            out[f"{f}_runs"] = values
+        combined.append(out)
+    return combined
 
 
 # ----------------------------------------------------------------------- memory
