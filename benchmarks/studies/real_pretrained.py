@@ -41,7 +41,12 @@ References without training (``references`` in the JSON), through the same evalu
     PYTHONPATH=src:examples python benchmarks/studies/whisper_features.py --manifests DIR \
         --cache CACHE --what transcripts       # once, the cascade's input
     PYTHONPATH=src:examples python benchmarks/studies/real_pretrained.py --manifests DIR \
-        --cache CACHE [--probe] [--quick]
+        --cache CACHE [--probe] [--quick] [--set svr.alpha=0.1 ...]
+
+``--set`` takes the arms' knobs by name (``knobs.py``: the shared lr, dropout, epochs,
+temperature and text side, SVR's and ASK's constructor arguments; each run records its
+whole setting) as well as this module's upper-case settings; ``real_tuned.py`` searches
+them with an equal budget per arm.
 
 Writes ``benchmarks/results/studies/real_pretrained.{md,json}`` and a figure.
 """
