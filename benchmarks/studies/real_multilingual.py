@@ -153,6 +153,13 @@ PRETRAIN_EPOCHS = 0
 AUDIO_SIDE: tuple[Callable[..., tuple[Tensor, Tensor]], Callable[[int, int], nn.Module]] | None
 AUDIO_SIDE = None
 SVR_BETA: float | None = 0.01  # the recorded run's (SupCLAP's); None: the library's default
+#: Keyword arguments over the study's for the losses' constructors (``knobs.apply`` fills it;
+#: empty in the recorded runs): "base" (the InfoNCE/KCL/CACL loss: ``temperature``,
+#: ``learnable_temperature``), "svr" (``SupportVectorRegularizer``), "ask" (``ASKLoss``),
+#: "bank" (``KnowledgeBank``). Where non-empty it is part of ``settings_key``.
+LOSS_OPTIONS: dict[str, dict[str, Any]] = {}
+#: Every arm with the trainable text block (as the ``*_text`` arms), not only those.
+TEXT_TRAINABLE = False
 PRETRAIN_VOICES = 2  # the first voice variants of synthetic_speech.VARIANTS read each caption
 METHODS = (
     "random",
@@ -230,7 +237,7 @@ def text_head(features: int, method: str = "random") -> nn.Module:
     the ``*_text`` arms (learning rate x ``TEXT_LR``); else ``TEXT_HEAD`` "identity"
     (none: the audio learns to land in e5's space), "linear_from_identity" (a square linear
     map starting at the identity) or "linear" (default init)."""
-    if method in TEXT_ARMS:
+    if method in TEXT_ARMS or TEXT_TRAINABLE:
         return real_towers.TextBlock(features, TEXT_HIDDEN)
     if TEXT_HEAD == "identity":
         return nn.Identity()
@@ -366,24 +373,26 @@ def base_of(method: str) -> str:
 
 
 def base_loss(method: str) -> nn.Module:
+    """The arm's InfoNCE/KCL/CACL loss at ``TEMPERATURE``, ``LOSS_OPTIONS["base"]`` over it."""
     name = base_of(method)
+    options = {"temperature": TEMPERATURE, "validate_args": False, **LOSS_OPTIONS.get("base", {})}
     if name == "kcl":
-        return KCLLoss(TEMPERATURE, validate_args=False)
+        return KCLLoss(**options)
     if name == "pairs_all":  # = InfoNCE over the B x K (clip, caption) rows, see the doc
-        return KCLLoss(TEMPERATURE, negatives="all_languages", validate_args=False)
+        return KCLLoss(negatives="all_languages", **options)
     if name == "cacl":
-        return CACLLoss(TEMPERATURE, validate_args=False)
-    return InfoNCELoss(TEMPERATURE, validate_args=False)
+        return CACLLoss(**options)
+    return InfoNCELoss(**options)
 
 
 def make_loss(method: str, seed: int) -> nn.Module:
     torch.manual_seed(10_000 + seed)  # the same predictor initialisation in every arm
     base = base_loss(method)
     if method.startswith("svr_"):
-        radius = method.removeprefix("svr_")
         # SVR_BETA 0.01 (SupCLAP's): the recorded run's, the library's default before issue 42
-        beta = {} if SVR_BETA is None else {"beta": SVR_BETA}
-        return SupportVectorRegularizer(base, radius=radius, validate_args=False, **beta)
+        options = {"radius": method.removeprefix("svr_"), "validate_args": False}
+        options |= ({} if SVR_BETA is None else {"beta": SVR_BETA}) | LOSS_OPTIONS.get("svr", {})
+        return SupportVectorRegularizer(base, **options)
     return base
 
 
@@ -399,14 +408,12 @@ class Step:
         self.log: dict[str, list[float]] = {"radius": [], "radius_over_distance": []}
         self.bank: KnowledgeBank | None = None
         if method.startswith("ask"):
+            bank = {"num_prototypes": PROTOTYPES, "refresh_every": ASK_REFRESH}
             self.bank = KnowledgeBank(
-                DIM,
-                backend="torch",
-                num_prototypes=PROTOTYPES,
-                refresh_every=ASK_REFRESH,
-                seed=seed,
+                DIM, backend="torch", seed=seed, **bank | LOSS_OPTIONS.get("bank", {})
             )
-            self.ask = ASKLoss(self.bank, temperature=TEMPERATURE, validate_args=False)
+            ask = {"temperature": TEMPERATURE, **LOSS_OPTIONS.get("ask", {})}
+            self.ask = ASKLoss(self.bank, validate_args=False, **ask)
 
     def audio(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         """Audio embeddings of training items ``idx`` (augmented in training) and the
@@ -1309,6 +1316,10 @@ def settings_key() -> str:
     settings += [SVR_BASE, ASK_REFRESH, SWAP, MIN_GALLERY, EVAL_EVERY, XK_SEEDS, PROTOTYPES]
     if PRETRAIN_EPOCHS:  # only where on: the runs before it keep their file
         settings += ["eSpeak NG pretraining", PRETRAIN_EPOCHS, PRETRAIN_VOICES]
+    if LOSS_OPTIONS or TEXT_TRAINABLE:  # likewise
+        options = sorted((k, sorted(v.items())) for k, v in LOSS_OPTIONS.items())
+        settings += ["loss options", options]
+        settings += ["text trainable", TEXT_TRAINABLE]
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:10]
 
 

@@ -41,7 +41,12 @@ References without training (``references`` in the JSON), through the same evalu
     PYTHONPATH=src:examples python benchmarks/studies/whisper_features.py --manifests DIR \
         --cache CACHE --what transcripts       # once, the cascade's input
     PYTHONPATH=src:examples python benchmarks/studies/real_pretrained.py --manifests DIR \
-        --cache CACHE [--probe] [--quick]
+        --cache CACHE [--probe] [--quick] [--set svr.alpha=0.1 ...]
+
+``--set`` takes the arms' knobs by name (``knobs.py``: the shared lr, dropout, epochs,
+temperature and text side, SVR's and ASK's constructor arguments; each run records its
+whole setting) as well as this module's upper-case settings; ``real_tuned.py`` searches
+them with an equal budget per arm.
 
 Writes ``benchmarks/results/studies/real_pretrained.{md,json}`` and a figure.
 """
@@ -99,6 +104,8 @@ def top_settings() -> tuple[int, int, float]:
 
 
 _STATES: whisper_features.WhisperStates | None = None  # load_data's, for the top-block arms
+#: The knobs (``knobs.py``) that ``configure()`` applies over the settings above: ``--set``'s.
+KNOBS: dict[str, Any] = {}
 
 
 # ----------------------------------------------------------------------- the audio side
@@ -113,17 +120,21 @@ def pooled_input(data: RealData, method: str) -> tuple[Tensor, Tensor]:
 
 
 def head_tower(features: int, frames: int) -> nn.Module:
-    return real_towers.FeatureHead(features, rm.DIM, HIDDEN, DROPOUT)
+    return real_towers.FeatureHead(features, rm.DIM, rm.HIDDEN, rm.DROPOUT)  # configure()d
 
 
 def configure() -> None:
-    """Point ``real_multilingual``'s machinery at this study's audio side and settings."""
+    """Point ``real_multilingual``'s machinery at this study's audio side and settings,
+    then :data:`KNOBS` over them (``knobs.apply``)."""
+    import knobs
+
     rm.AUDIO_SIDE = (pooled_input, head_tower)
     rm.TOWER = "pretrained"  # no SpecAugment (it is for log-mel frames)
     rm.LR, rm.HIDDEN, rm.DROPOUT = LR, HIDDEN, DROPOUT
     rm.SVR_BETA = None  # the library's defaults
     rm.TEXT_HEAD, rm.TEXT_STANDARDISE, rm.PRETRAIN_EPOCHS = "identity", False, 0
     rm.EVAL_EVERY = max(EPOCHS // 4, 1)
+    knobs.apply(KNOBS)
 
 
 def standardisation(pooled: Tensor, train: Tensor) -> tuple[Tensor, Tensor]:
@@ -321,7 +332,8 @@ def top_run(
 
 def settings_key(states_digest: str) -> str:
     """Names the resumable partial file: the settings and the features' cache key."""
-    settings = [rm.settings_key(), states_digest, EPOCHS, HIDDEN, DROPOUT, LR, "head v1"]
+    # rm's LR, HIDDEN, DROPOUT: this module's after configure(), the knobs' after knobs.apply
+    settings = [rm.settings_key(), states_digest, EPOCHS, rm.HIDDEN, rm.DROPOUT, rm.LR, "head v1"]
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:10]
 
 
@@ -348,7 +360,8 @@ def run_top(
         same = (r.get(k) for k in ("epochs", "top_epochs", "top_frames", "top_lr"))
         if r["method"] in TOP_ARMS and tuple(same) == (args.epochs, *top_settings()):
             done[(r["method"], r["seed"])] = r
-    source = whisper_features.model_folder(args.whisper_dir) if _STATES is not None else None
+    needed = arms and _STATES is not None and not args.collect
+    source = whisper_features.model_folder(args.whisper_dir) if needed else None
     for seed in range(args.top_seeds):
         for m in arms:
             if (m, seed) in done or args.collect:
@@ -358,10 +371,44 @@ def run_top(
     return [done[(m, s)] for s in range(args.top_seeds) for m in arms if (m, s) in done]
 
 
+def study_settings() -> dict[str, Any]:
+    """The shared knobs as this study runs them (``knobs.defaults``' ``study``)."""
+    return {"lr": LR, "dropout": DROPOUT, "hidden": HIDDEN, "epochs": EPOCHS}
+
+
+def set_up(args: argparse.Namespace) -> dict[str, Any]:
+    """``--set``: upper-case names set this module's settings, then ``configure()``, then
+    the knobs (``knobs.py``: ``svr.alpha=0.1``, ``lr=3e-4``, ...) over it, ``epochs`` into
+    ``args.epochs``; returns the knobs given. A full run with any needs its own
+    ``--out-dir`` (never over the committed results)."""
+    import knobs
+
+    try:
+        module, given = knobs.parse(args.set)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    own_dir = args.out_dir is not None and args.out_dir.resolve() != common.RESULTS.resolve()
+    if args.set and not (args.probe or args.render or own_dir):
+        raise SystemExit("--set without --probe needs --out-dir (a folder of its own)")
+    global KNOBS
+    changed = rm.apply_settings(module, globals(), NAME)
+    KNOBS = given
+    configure()
+    args.epochs = given.get("epochs", args.epochs)
+    return changed | given
+
+
+def settings_of(method: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The knobs ``method`` trained with (``knobs.effective``; the top-block arms' head:
+    their loss arm's)."""
+    import knobs
+
+    return knobs.effective(method.removesuffix("_top"), given, study_settings())
+
+
 def probe(args: argparse.Namespace, data: RealData) -> None:
     """``--probe``: validation T2A R@1 per (arm, seed) under ``--set``; never reads test."""
-    changed = rm.apply_settings(args.set, globals(), NAME)
-    configure()
+    changed = set_up(args)
     for seed in range(args.seeds):
         for m in (m for m in args.methods.split(",") if m):
             if m in TOP_ARMS:
@@ -540,10 +587,10 @@ def study(
 ) -> dict[str, Any]:
     """Run (or ``--render``) the study and write its files; ``loaded``: ``load_data``'s
     result given (tests)."""
-    configure()
     if args.probe:
         probe(args, (loaded or load_data(args))[0])
         return {}
+    given = {k: v for k, v in set_up(args).items() if not k.isupper()}
     if args.render:
         saved = common.load(args, NAME)
         runs, refs, seconds, setup = saved["runs"], saved["references"], saved["seconds"], {}
@@ -551,10 +598,12 @@ def study(
     else:
         saved = {}
         data, clips, digest = loaded or load_data(args)
-        setup = setup_of(data, args, digest)
+        setup = setup_of(data, args, digest) | ({"set": given} if given else {})
         start = time.perf_counter()
         partial = args.cache / f"{NAME}-{settings_key(digest)}.jsonl"
         runs = run_arms(data, args, partial)
+        for r in runs:  # the partial file's key holds the knobs: every run had these
+            r.setdefault("settings", settings_of(r["method"], given))
         seconds = time.perf_counter() - start
         if args.collect:  # the runs' own span (they may come from several invocations)
             spans = [r for r in runs if "started_at" in r]
@@ -593,7 +642,9 @@ def extra_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="with --probe: override a setting of this module",
+        help="a knob (knobs.py: lr=3e-4, svr.alpha=0.1, ask.ot_weight=0.05, text=adapter, "
+        "...; recorded per run) or an upper-case setting of this module; without --probe "
+        "it needs its own --out-dir",
     )
     parser.add_argument(
         "--no-cascade",

@@ -5,7 +5,10 @@
 value that chose ``best/``, ``selection["value"]``: mean R@1 over languages and directions by
 default), pairs every other arm with the baseline run of the same seed and prints, per arm, the
 mean paired difference in points with its 95 % t-interval and the seeds in which the arm is
-ahead. The docs page "Which loss should I use?" quotes the studies' numbers in this form
+ahead. Runs whose ``config.json`` differ in anything but the loss (the trainer's "loss" options),
+the seed and where the run is written (:func:`free_options`) are refused, naming the options that
+differ: a paired difference is the loss's only when everything else is the same. The docs page
+"Which loss should I use?" quotes the studies' numbers in this form
 (:func:`paired_difference` is also what its test recomputes them with).
 """
 
@@ -61,10 +64,42 @@ def arm_of(config: dict[str, object]) -> str:
     return str(config["loss"]) + ("" if svr in (None, "none") else f"+svr-{svr}")
 
 
+def free_options() -> frozenset[str]:
+    """The ``config.json`` keys paired runs may differ in: the trainer's "loss" option group,
+    ``seed``, and the options that say where and how a run is written or read rather than what
+    it learns (its "output" group but ``select_metric``, ``config``, ``demo``, ``workers``,
+    ``e5_cache``, ``eval_batch_size``)."""
+    from .config import build_parser
+
+    groups = {g.title: {a.dest for a in g._group_actions} for g in build_parser()._action_groups}
+    output = groups["output"] - {"select_metric"}
+    return frozenset(groups["loss"] | output | {"seed", "config", "demo", "workers", "e5_cache",
+                                                 "eval_batch_size"})  # fmt: skip
+
+
+def check_paired(configs: dict[Path, dict[str, object]]) -> None:
+    """ValueError naming the options in which a run's config differs from the first run's,
+    beyond :func:`free_options` (e.g. a CNN baseline beside a Whisper candidate)."""
+    free = free_options()
+    items = list(configs.items())
+    for folder, options in items[1:]:
+        first, reference = items[0]
+        keys = sorted(k for k in (set(options) | set(reference)) - free
+                      if options.get(k, "<absent>") != reference.get(k, "<absent>"))  # fmt: skip
+        if keys:
+            shown = "; ".join(f"{k}: {reference.get(k)!r} vs {options.get(k)!r}" for k in keys)
+            raise ValueError(
+                f"{first} and {folder} differ in more than the loss and seed ({shown}): "
+                "not a paired comparison; compare runs of one config"
+            )
+
+
 def read_runs(folders: Sequence[str | Path]) -> dict[str, dict[int, tuple[float, Path]]]:
     """``{arm: {seed: (validation value, folder)}}`` of the finished runs among ``folders``
-    (a folder without ``summary.json`` or without a validation choice is skipped, said so)."""
+    (a folder without ``summary.json`` or without a validation choice is skipped, said so);
+    ValueError when their configs differ in more than the loss and seed (:func:`check_paired`)."""
     runs: dict[str, dict[int, tuple[float, Path]]] = {}
+    configs: dict[Path, dict[str, object]] = {}
     for folder in map(Path, folders):
         summary, config = folder / "summary.json", folder / "config.json"
         if not (summary.is_file() and config.is_file()):
@@ -81,6 +116,8 @@ def read_runs(folders: Sequence[str | Path]) -> dict[str, dict[int, tuple[float,
                 f"{folder} and {runs[arm][seed][1]}: two runs of arm {arm} with seed {seed}"
             )
         runs[arm][seed] = (float(value), folder)
+        configs[folder] = options
+    check_paired(configs)
     return runs
 
 

@@ -171,9 +171,12 @@ def test_a_test_manifest_with_the_validation_sets_bytes_is_refused(
     assert parse_args(["--config", str(config)]).test_manifest == str(copy)
 
 
-def _fake_run(folder: Path, loss: str, seed: int, value: float, svr: str = "none") -> None:
+def _fake_run(
+    folder: Path, loss: str, seed: int, value: float, svr: str = "none", **options: Any
+) -> None:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"loss": loss, "svr": svr, "seed": seed}))
+    config = {"loss": loss, "svr": svr, "seed": seed, "output_dir": str(folder), **options}
+    (folder / "config.json").write_text(json.dumps(config))
     (folder / "summary.json").write_text(json.dumps({"selection": {"value": value}}))
 
 
@@ -213,3 +216,31 @@ def test_a_pair_language_some_clips_lack_says_the_option_that_does_without(
     args = parse_args(["--config", str(config)])
     with pytest.raises(ManifestError, match="--pair-language random draws among each clip's"):
         read_data(args, 0, 1)
+
+
+def test_compare_runs_refuses_runs_of_different_configs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from clap_example.compare import cli, free_options
+
+    cnn = {"audio_encoder": "cnn", "lr": 1e-3, "embed_dim": 256}
+    whisper = {"audio_encoder": "whisper-base", "lr": 3e-4, "embed_dim": 256}
+    for seed in range(3):
+        _fake_run(tmp_path / f"mlclap-{seed}", "mlclap", seed, 0.1, **cnn)
+        _fake_run(tmp_path / f"kcl-{seed}", "kcl", seed, 0.1, **whisper)
+    with pytest.raises(SystemExit):
+        cli([str(p) for p in sorted(tmp_path.iterdir())])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "differ in more than the loss and seed" in err, err
+    assert "audio_encoder: 'whisper-base' vs 'cnn'" in err and "lr: 0.0003 vs 0.001" in err, err
+    assert "embed_dim" not in err, err  # the same in both
+    # the loss's own options, the seed and where the run is written may differ
+    assert {"svr_alpha", "temperature", "seed", "output_dir"} <= free_options()
+    assert not {"lr", "audio_encoder", "select_metric", "batch_size"} & free_options()
+    same = tmp_path / "same"
+    for seed in range(3):
+        _fake_run(same / f"mlclap-{seed}", "mlclap", seed, 0.1, **cnn)
+        _fake_run(same / f"svr-{seed}", "mlclap", seed, 0.1 + seed / 100, svr="dynamic",
+                  svr_alpha=0.1, **cnn)  # fmt: skip
+    assert cli([str(p) for p in sorted(same.iterdir())]) == 0
+    assert "mlclap+svr-dynamic - mlclap: +1.00" in capsys.readouterr().out

@@ -408,3 +408,36 @@ def test_whisper_options_are_checked(tiny_manifests: Path, tmp_path: Path) -> No
     check_sources(args)  # the folder holds a model
     with pytest.raises(ValueError, match="--whisper-trainable-layers 3: the encoder has 2"):
         build_audio_tower(args)
+
+
+def test_the_frozen_whisper_config_trains_with_the_encoder_frozen(
+    tiny_manifests: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/configs/tuxpaint_whisper_frozen_cpu.json (the study's frozen encoder + head,
+    docs/real_data.rst) on the tiny manifests and a tiny Whisper: its tower and training
+    options as shipped, the batch and sizes shrunk; the encoder's weights do not move."""
+    import json
+
+    from clap_example import e5
+
+    shipped = json.loads((ROOT / "examples/configs/tuxpaint_whisper_frozen_cpu.json").read_text())
+    assert shipped["whisper_trainable_layers"] == 0 and shipped["audio_encoder"] == "whisper-base"
+    monkeypatch.setattr(e5, "load_backend", FakeBackend)
+    variables = tiny_whisper(**{**DIMS, "n_positions": 50})
+    write_whisper(tmp_path / "tiny-whisper", variables)
+    kept = ("audio_encoder", "whisper_trainable_layers", "whisper_window", "loss", "lr",
+            "check_audio")  # fmt: skip
+    options = _options(
+        tiny_manifests, tmp_path / "run", **{k: shipped[k] for k in kept}, cnn_config={},
+        whisper_dir=str(tmp_path / "tiny-whisper"), epochs=1, test_manifest=None,
+        save_every_steps=1, max_steps=1,
+    )  # fmt: skip
+    result = _run(options, tmp_path, "frozen")
+    assert result["step"] == 1 and np.isfinite(_steps(tmp_path / "run")[0]["loss"])
+    last = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
+    state = torch.load(last / "state.pt", weights_only=True)["model"]
+    for n in range(DIMS["n_layers"]):  # every block as loaded
+        torch.testing.assert_close(
+            state[f"audio.encoder.blocks.{n}.fc1.weight"],
+            torch.from_numpy(variables[f"encoder/layer_{n}/ffn/linear_0/weight"]),
+        )
