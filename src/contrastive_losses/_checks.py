@@ -216,9 +216,10 @@ def check_row_norms(
     nonzero: bool = True,
     mask: Tensor | None = None,
     validate: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Return the L2 norms of ``x``'s rows (last dim); see :func:`row_norms`."""
-    return row_norms(x, name, nonzero=nonzero, mask=mask, validate=validate)[0]
+    return row_norms(x, name, nonzero=nonzero, mask=mask, validate=validate, dtype=dtype)[0]
 
 
 def row_norms(
@@ -228,6 +229,7 @@ def row_norms(
     nonzero: bool = True,
     mask: Tensor | None = None,
     validate: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, bool]:
     """Return the L2 norms of ``x``'s rows (last dim), validating values on the way.
 
@@ -255,21 +257,26 @@ def row_norms(
     Without ``validate`` nothing is read back (no host sync): the norms are returned
     as they are, not known to be moderate (False: a fused path that needs moderate
     norms is not taken, so turning the checks off never changes a value).
+
+    ``dtype``: that of the returned norms (``x``'s by default); the losses ask for
+    float32 norms of float16/bfloat16 rows, which they normalise in float32. The checks
+    judge the norms in ``x``'s dtype either way.
     """
     check_materialised(x, name)
-    norms = exact_row_norms(x)
+    norms = exact_row_norms(x, None if dtype is None else torch.float64)
+    wide, norms = (norms, norms) if dtype is None else (norms.to(dtype), norms.to(x.dtype))
+    if mask is not None and nonzero:  # absent rows (zeros) get norm 1
+        wide = wide.masked_fill(wide == 0, 1)
     if not validate:
-        if mask is not None and nonzero:
-            norms = norms.masked_fill(norms == 0, 1)
-        return norms, False
+        return wide, False
     fi = torch.finfo(x.dtype)
     if _in_range(norms, fi, nonzero, mask):
-        return (norms if mask is None or not nonzero else norms.masked_fill(norms == 0, 1)), True
+        return wide, True
     if mask is not None:
         _check_absent_finite(x, name, mask)
     check_finite(x, name)
     if not nonzero:
-        return norms, False
+        return wide, False
     norms = norms.float() if x.dtype != torch.float64 else norms  # inf in float16 is > max
     norms = torch.where(norms.isinf(), stable_row_norms(x), norms)
     zero = norms == 0
@@ -290,7 +297,7 @@ def row_norms(
             f"[{lo:.3g}, {hi:.3g}] where {x.dtype} can normalise it (1/norm must be finite "
             "and non-zero); rescale the embeddings or use a wider dtype"
         )
-    return norms.to(x.dtype), False
+    return norms.to(dtype or x.dtype), False
 
 
 def _check_absent_finite(x: Tensor, name: str, mask: Tensor) -> None:

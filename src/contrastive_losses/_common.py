@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checks, _compat
-from ._kernels import _TiledCrossEntropy, _UpperClamp, distinct_ids, l2_normalize
+from ._kernels import (
+    _compute_dtype,
+    _TiledCrossEntropy,
+    _UpperClamp,
+    distinct_ids,
+    l2_normalize,
+)
 from ._param_watch import ParameterWatch
 from ._warnings import told, warn_at_caller
 from .distributed import Validation, all_gather_no_grad, all_gather_with_grad
@@ -265,10 +271,13 @@ def _embeddings(
     validate: bool = True,
     *,
     static: bool = True,
+    wide: bool = False,
 ) -> Tensor:
     """Validate an embedding input and (optionally) normalise it; one pass over ``x``.
     The value checks (NaN/Inf, zero rows) with ``validate`` only; the static ones unless
-    the caller has seen them pass (``static=False``)."""
+    the caller has seen them pass (``static=False``). With ``wide`` float16/bfloat16 rows
+    are normalised in float32 (the losses' arithmetic, :func:`widen`): float32 unit rows,
+    whose gradient autograd casts back to ``x``'s dtype."""
     if static:
         x = _checks.check_embeddings(
             x, name, ndim=dims.count(",") + 1, dims=dims, min_batch=min_batch, check_values=False
@@ -276,7 +285,8 @@ def _embeddings(
     x = typing.cast(Tensor, x)
     if not normalize and not validate:
         return x
-    norms = _checks.check_row_norms(x, name, nonzero=normalize, validate=validate)
+    dtype = _compute_dtype(x) if wide and normalize else None
+    norms = _checks.check_row_norms(x, name, nonzero=normalize, validate=validate, dtype=dtype)
     return l2_normalize(x, norms) if normalize else x
 
 
@@ -391,7 +401,8 @@ def _pair_and_ids(
     min_batch: int,
     validate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Validated (and normalised) ``(B, D)`` audio and text, and optional ``(B,)`` ids.
+    """Validated (and normalised) ``(B, D)`` audio and text, and optional ``(B,)`` ids;
+    normalised float16/bfloat16 rows come back in float32 (:func:`_embeddings`).
 
     With ``normalize=False`` only their static checks run here: the callers
     (:func:`info_nce`, :func:`siglip`) run :func:`_logit_range` on the pair next, whose
@@ -400,10 +411,13 @@ def _pair_and_ids(
     values = validate and normalize  # normalize=False: the values in _logit_range
     # the usual call passes every static check at a glance; else each runs, in turn
     static = not _plain_pair(audio, text, min_batch)
-    a = _embeddings(audio, "audio", "(B, D)", normalize, min_batch, values, static=static)
-    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, values, static=static)
+    a = _embeddings(
+        audio, "audio", "(B, D)", normalize, min_batch, values, static=static, wide=True
+    )
+    t = _embeddings(text, "text", "(B, D)", normalize, min_batch, values, static=static, wide=True)
     if static:
-        _check_pair(a, "audio", t, "text")
+        # the inputs' dtypes (half rows come back normalised in float32)
+        _check_pair(typing.cast(Tensor, audio), "audio", typing.cast(Tensor, text), "text")
     if ids is not None:
         ids = _checks.check_ids(ids, "ids", a.shape[0], a)
     return a, t, ids
@@ -420,7 +434,8 @@ def _agree_pair(
     scale_settings: dict[str, object],
 ) -> None:
     """What the ranks compare of a call on one ``(audio, text)`` pair (InfoNCE, SigLIP):
-    the tensors they gather, the scale's settings (first) and the common ones."""
+    the tensors they gather (as given: their dtypes, not the float32 of normalised half
+    rows), the scale's settings (first) and the common ones."""
     v.agree(audio=a, text=t, **({} if ids is None else {"ids": ids}))
     v.settings(
         **scale_settings,
@@ -613,10 +628,23 @@ def _tiled_info_nce_rows(
     return a2t[0], t2a[0], _batch(offset, t_all.shape[0], gather)
 
 
-def _finish(loss: Tensor, terms: Terms, return_terms: bool) -> Tensor | tuple[Tensor, Terms]:
+def _finish(
+    loss: Tensor, terms: Terms, return_terms: bool, dtype: torch.dtype | None = None
+) -> Tensor | tuple[Tensor, Terms]:
+    """The loss (and, with ``return_terms``, the detached terms) in ``dtype``, the inputs'
+    dtype: float16/bfloat16 losses are computed in float32 (:func:`widen`) and cast back
+    here, once, at the end (``None``: as they are)."""
+    if dtype is not None:
+        loss = _narrow(loss, dtype)
     if return_terms:
-        return loss, {k: v.detach() for k, v in terms.items()}
+        return loss, {k: _narrow(v.detach(), dtype or v.dtype) for k, v in terms.items()}
     return loss
+
+
+def _narrow(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype``: a loss computed in float32 back in its half-precision inputs'
+    dtype (finite wherever its value fits it); no op where it is already."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class ContrastivePair(NamedTuple):

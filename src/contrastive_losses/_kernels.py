@@ -522,9 +522,21 @@ def distinct_ids(row_ids: Tensor | None, col_ids: Tensor | None) -> Tensor | Non
     return col_ids.clone() if col_ids is not None and col_ids is row_ids else col_ids
 
 
+# The dtypes whose losses are computed in float32 (widen): a sum of per-row losses overflows
+# them long before the float64 loss does (float16's max is 65504).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def _compute_dtype(x: Tensor) -> torch.dtype:
-    """float16/bfloat16 tiles are computed in float32, as the dense paths do."""
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    """float16/bfloat16 tiles are computed in float32, as the dense paths do (:func:`widen`)."""
+    return torch.float32 if x.dtype in HALF_DTYPES else x.dtype
+
+
+def widen(x: Tensor) -> Tensor:
+    """``x`` in the dtype the losses compute in: float16/bfloat16 as float32 (logits,
+    log-sum-exps, sums and means; the loss is cast back to the input dtype only at the
+    end), any other dtype as it is (no op, no copy)."""
+    return x.float() if x.dtype in HALF_DTYPES else x
 
 
 def _flip_positives(

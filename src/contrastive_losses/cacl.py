@@ -28,6 +28,7 @@ from ._common import (
     _TemperatureMixin,
 )
 from ._docs import init_doc
+from ._kernels import widen
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["CACLLoss", "cacl", "sample_languages"]
@@ -60,6 +61,7 @@ def cacl(
     where each :math:`\mathcal{L}_{xy}` is the sum over the batch of the two directional
     InfoNCE terms between modalities :math:`x` and :math:`y`. It equals the mean of the
     three symmetric :func:`info_nce` means. Draw :math:`q_i` with :func:`sample_languages`.
+    float16/bfloat16 inputs are computed in float32, the loss returned in their dtype.
 
     Args:
         audio: ``(B, D)``.
@@ -96,21 +98,25 @@ def cacl(
         _checks.check_reduction(reduction)
         scale = _resolve_scale(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
-        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
-        e = _embeddings(english, "english", "(B, D)", normalize, v.min_batch, validate)
-        o = _embeddings(other, "other", "(B, D)", normalize, v.min_batch, validate)
-        _check_pair(a, "audio", e, "english")
-        _check_pair(a, "audio", o, "other")
+        a, e, o = (
+            _embeddings(x, name, "(B, D)", normalize, v.min_batch, validate, wide=True)
+            for x, name in ((audio, "audio"), (english, "english"), (other, "other"))
+        )
+        # the inputs as given: normalised half rows are float32
+        _check_pair(audio, "audio", english, "english")
+        _check_pair(audio, "audio", other, "other")
         pairs = [(a, "audio", e, "english"), (a, "audio", o, "other"), (e, "english", o, "other")]
         _logit_range(pairs, normalize, validate, scale=scale)
         v.batch = a.shape[0]
-        v.agree(audio=a, english=e, other=o)
+        v.agree(audio=audio, english=english, other=other)
         v.settings(
             **_scale_setting(temperature, logit_scale),
             reduction=reduction,
             chunk_size=chunk_size,
             normalize=normalize,
         )
+    dtype = audio.dtype  # of the loss; half inputs are computed in float32
+    a, e, o = widen(a), widen(e), widen(o)
     per_sample: list[Tensor] = []
     terms: Terms = {}
     batch = _batch(0, a.shape[0], False)
@@ -123,7 +129,7 @@ def cacl(
         per_sample.append((x2y + y2x) / 2)
         terms[name] = _reduce(per_sample[-1], "mean", batch.n_global, batch)
     loss = _reduce(torch.stack(per_sample).mean(0), reduction, batch.n_global, batch)
-    return _finish(loss, terms, return_terms)
+    return _finish(loss, terms, return_terms, dtype)
 
 
 def sample_languages(

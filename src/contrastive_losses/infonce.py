@@ -19,6 +19,7 @@ from ._common import (
     _info_nce_means,
     _info_nce_rows,
     _logit_range,
+    _narrow,
     _pair_and_ids,
     _reduce,
     _resolve_scale,
@@ -27,6 +28,7 @@ from ._common import (
     _tile_width,
 )
 from ._docs import init_doc
+from ._kernels import widen
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["InfoNCELoss", "info_nce"]
@@ -59,6 +61,9 @@ def info_nce(
     With ``ids``, every pair that shares an id is a positive (the same clip twice in a
     batch is no false negative) and a row's loss is the mean over its positives of
     :math:`-\log \mathrm{softmax}`, the supervised-contrastive form.
+
+    float16/bfloat16 inputs are computed in float32 and the loss is returned in their
+    dtype: finite wherever the float64 loss fits it (inside the logit bound).
 
     Args:
         audio: audio embeddings ``(B, D)``.
@@ -105,23 +110,25 @@ def info_nce(
         v.batch = a.shape[0]
         if v.active:  # the ranks check together (else nothing is recorded)
             settings = _scale_setting(temperature, logit_scale)
-            _agree_pair(v, a, t, ids, reduction, chunk_size, normalize, settings)
+            _agree_pair(v, audio, text, ids, reduction, chunk_size, normalize, settings)
+    dtype = audio.dtype  # of the loss; half inputs are computed in float32
+    a, t = widen(a), widen(t)
     if reduction == "mean" and ids is None and not enabled:
         if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
             mean_a2t, mean_t2a = _info_nce_means(a, t, scale)
             loss = (mean_a2t + mean_t2a) / 2
             if not return_terms:
-                return loss
-            return _finish(loss, {"loss_a2t": mean_a2t, "loss_t2a": mean_t2a}, True)
+                return _narrow(loss, dtype)
+            return _finish(loss, {"loss_a2t": mean_a2t, "loss_t2a": mean_t2a}, True, dtype)
     a2t, t2a, batch = _info_nce_rows(a, t, scale, ids, enabled, chunk_size, validate)
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     if not return_terms:  # the terms' reductions cost as much as the loss's at small B
-        return loss
+        return _narrow(loss, dtype)
     terms = {
         "loss_a2t": _reduce(a2t, "mean", batch.n_global, batch),
         "loss_t2a": _reduce(t2a, "mean", batch.n_global, batch),
     }
-    return _finish(loss, terms, return_terms)
+    return _finish(loss, terms, return_terms, dtype)
 
 
 @init_doc

@@ -35,11 +35,13 @@ from ._common import (
 )
 from ._docs import init_doc
 from ._kernels import (
+    _compute_dtype,
     _NormalizedRowsMatmul,
     _per_language_ce,
     _SymmetricDiagonalCE,
     _TiledCrossEntropy,
     l2_normalize,
+    widen,
 )
 from .distributed import counted_call, resolve_gather, validate_together
 
@@ -65,7 +67,10 @@ def _text_and_mask(
     if mask is not None:
         mask = _checks.check_mask(mask, "mask", tuple(t.shape[:2]), t, validate=validate)
     # Absent captions may be zero rows (padding); they stay zero after normalising.
-    norms, moderate = _checks.row_norms(t, "text", nonzero=normalize, mask=mask, validate=validate)
+    wide = _compute_dtype(t) if normalize else None  # half captions: float32 norms
+    norms, moderate = _checks.row_norms(
+        t, "text", nonzero=normalize, mask=mask, validate=validate, dtype=wide
+    )
     return t, norms, mask, moderate
 
 
@@ -107,7 +112,8 @@ def kcl(
     A ``mask`` marks present captions: an absent caption :math:`(j, k)` leaves every
     numerator and denominator (per language, the loss is InfoNCE on the present pairs)
     and the normaliser counts present pairs only. With ``K = 1`` this is
-    :func:`info_nce`.
+    :func:`info_nce`. float16/bfloat16 inputs are computed in float32 and the loss is
+    returned in their dtype: finite wherever the float64 loss fits it.
 
     Args:
         audio: ``(B, D)``.
@@ -151,14 +157,14 @@ def kcl(
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
         scale = _resolve_scale(temperature, logit_scale, audio, validate)
         _checks.check_chunk_size(chunk_size)
-        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate)
+        a = _embeddings(audio, "audio", "(B, D)", normalize, v.min_batch, validate, wide=True)
         # The raw audio's dtype: under CUDA autocast the norms (hence ``a``) are float32.
         t_raw, text_norms, m, moderate = _text_and_mask(
             audio, text, mask, normalize, v.min_batch, validate
         )
         _logit_range([(a, "audio", t_raw, "text")], normalize, validate, scale=scale)
         v.batch = a.shape[0]
-        v.agree(audio=a, text=t_raw)
+        v.agree(audio=audio, text=t_raw)  # as given: normalised half rows are float32
         v.settings(
             **_scale_setting(temperature, logit_scale),
             negatives=negatives,
@@ -174,12 +180,12 @@ def kcl(
     # are normalised first, as every other loss does: the same value as checks on.
     fused = normalize and not enabled and negatives == "per_language" and moderate
     fused = fused and chunk_size is None
-    out_dtype = a.dtype
-    if fused and out_dtype in (torch.float16, torch.bfloat16):
-        # The fused path's unnormalised scores t @ a.T and its 1/||t||^2 in backward
-        # overflow float16 (||t|| < 0.004 or > ~200): compute in float32, return the
-        # input dtype (autograd casts the gradients back).
-        a, t_raw, text_norms = a.float(), t_raw.float(), text_norms.float()
+    # Half inputs are computed in float32 and the loss returned in their dtype (autograd
+    # casts the gradients back): the sums over B*K pairs overflow float16 long before the
+    # float64 loss, as do the fused path's unnormalised scores t @ a.T and its 1/||t||^2
+    # in backward (||t|| < 0.004 or > ~200).
+    out_dtype = audio.dtype
+    a, t_raw, text_norms = widen(a), widen(t_raw), widen(text_norms)
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
     a = a * scale  # the (B, D) side, not the (K, B, B) scores; as in _info_nce_rows
     if chunk_size is not None:
@@ -269,7 +275,7 @@ def _kcl_reduce(
     if batch.world > 1 and m_all is None:
         count = batch.n_global * k_langs
     per_pair = (a2t + t2a) / 2  # (b, K)
-    loss = _reduce(per_pair, reduction, count, batch).to(out_dtype)
+    loss = _reduce(per_pair, reduction, count, batch)
     present = torch.ones_like(per_pair) if m_all is None else m_all.to(per_pair.dtype)
     terms = {
         "loss_a2t": _reduce(a2t, "mean", count, batch),
@@ -277,7 +283,7 @@ def _kcl_reduce(
         # Each language's symmetric loss over its present pairs (local rows under gather).
         "loss_per_language": per_pair.sum(0) / present[offset : offset + b].sum(0).clamp_min(1),
     }
-    return _finish(loss, {k: v.to(out_dtype) for k, v in terms.items()}, return_terms)
+    return _finish(loss, terms, return_terms, out_dtype)
 
 
 class _Global(NamedTuple):

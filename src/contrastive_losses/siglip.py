@@ -30,6 +30,7 @@ from ._common import (
     _gather_no_grad,
     _logit_range,
     _LossSettings,
+    _narrow,
     _pair_and_ids,
     _reduce,
     _refuse_trainable,
@@ -38,7 +39,7 @@ from ._common import (
     _value_dtype,
 )
 from ._docs import init_doc
-from ._kernels import _TiledSigmoid, distinct_ids
+from ._kernels import _TiledSigmoid, distinct_ids, widen
 from ._param_watch import ParameterWatch
 from ._warnings import warn_at_caller
 from .distributed import counted_call, resolve_gather, validate_together
@@ -137,7 +138,9 @@ def siglip(
         \qquad z_{ij} = \begin{cases} 1 & i, j \text{ positive} \\ -1 & \text{else}\end{cases}
 
     with scale :math:`c` (SigLIP's :math:`t' = \log c` initialised at :math:`\log 10`)
-    and bias :math:`b` (initialised at :math:`-10`).
+    and bias :math:`b` (initialised at :math:`-10`). float16/bfloat16 inputs are computed
+    in float32 and the loss is returned in their dtype: finite wherever the float64 loss
+    fits it (the sum over the :math:`B^2` pairs no longer overflows float16).
 
     Args:
         audio: ``(B, D)``.
@@ -190,7 +193,9 @@ def siglip(
                 "scale dtype": _value_dtype(scale),
                 "bias dtype": _value_dtype(bias),
             }
-            _agree_pair(v, a, t, ids, reduction, chunk_size, normalize, settings)
+            _agree_pair(v, audio, text, ids, reduction, chunk_size, normalize, settings)
+    dtype = audio.dtype  # of the loss; half inputs are computed in float32
+    a, t = widen(a), widen(t)
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     chunk = _tile_width(chunk_size, t_all.shape[0])
@@ -204,9 +209,9 @@ def siglip(
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
     if not return_terms:
-        return loss
+        return _narrow(loss, dtype)
     terms = {"scale": _as_tensor(scale, a), "bias": _as_tensor(bias, a)}
-    return _finish(loss, terms, return_terms)
+    return _finish(loss, terms, return_terms, dtype)
 
 
 def _as_tensor(value: float | Tensor, ref: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ from ._common import (
     _gather,
     _gather_no_grad,
     _logit_range,
+    _narrow,
     _radius_tensor,
     _reduce,
     _refuse_trainable,
@@ -49,6 +50,7 @@ from ._kernels import (
     _tiled_top_negatives,
     _TiledCrossEntropy,
     l2_normalize,
+    widen,
 )
 from ._svr_monitor import _RadiusMonitor
 from .distributed import counted_call, resolve_gather, validate_together
@@ -191,9 +193,7 @@ def _upcast_half(x: object) -> Any:
     and its gradient, which runs as R/d^2, overflow float16 for nearly aligned pairs (d
     near the dtype's epsilon), and d itself is noise unless the rows are normalised in
     float32."""
-    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16):
-        return x.float()
-    return x
+    return widen(x) if isinstance(x, Tensor) else x
 
 
 def _radius_features(
@@ -861,9 +861,12 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
             svr, constraint, radius_terms, over = self._regularise(
                 pairs, temperature, return_terms, validate
             )
-        loss = base_loss + (self.alpha * svr).to(base_loss.dtype)
+        # summed in float32 for a half-precision base (svr is float32): two finite halves
+        # can overflow where their sum fits
+        loss = widen(base_loss) + self.alpha * svr
         if self.constraint:
-            loss = loss + (self.beta * constraint).to(base_loss.dtype)
+            loss = loss + self.beta * constraint
+        loss = _narrow(loss, base_loss.dtype)
         self._rearm_watch()
         if validate and self.training and torch.is_grad_enabled():
             self._monitor(over)
