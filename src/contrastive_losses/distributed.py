@@ -302,6 +302,21 @@ class Validation:
     tensors: list[tuple[str, Tensor]] = field(default_factory=list)
     fingerprint: list[tuple[str, object]] = field(default_factory=list)
     active: bool = False  # the ranks check together: settings are recorded
+    # Under torch.compile: a 0-d zero computed from the exchange's result (None eager)
+    exchanged: Tensor | None = None
+
+    def ordered(self, *tensors: Tensor | None) -> tuple[typing.Any, ...]:
+        """``tensors`` (``None`` passed through) with the same values, made to depend on
+        the ranks' exchange under ``torch.compile``: call it on what will be gathered,
+        after the block. The exchange's result is a zero that no compiler can know,
+        so ``x - zero`` (``x | False`` for bool) is ``x`` exactly (``-0.0`` and NaN
+        included) and its gather cannot run before the exchange: inductor ordered a
+        gather first, which a peer's exchange met (a gloo abort instead of the error).
+        Eager the exchange has finished when the block ends: ``tensors`` as given."""
+        zero = self.exchanged
+        if zero is None:
+            return tensors
+        return tuple(_after(x, zero) for x in tensors)
 
     def settings(self, **values: object) -> None:
         """Settings (``name=value``) that must be the same on every rank: floats and 0-d
@@ -352,6 +367,16 @@ class Validation:
             slot = [_dtype_code(x.dtype), grad, len(dims), *dims]
             out[i * _SLOT : i * _SLOT + len(slot)] = slot
         return out
+
+
+def _after(x: Tensor | None, zero: Tensor) -> Tensor | None:
+    """``x`` exactly, computed after ``zero`` (a 0-d int64 zero; see
+    :meth:`Validation.ordered`)."""
+    if x is None:
+        return None
+    if x.dtype == torch.bool:  # bool has no subtraction
+        return x | zero.to(torch.bool)
+    return x - zero.to(x.device)  # a 0-d int64 keeps x's dtype
 
 
 def _crc(text: str) -> int:
@@ -634,7 +659,9 @@ def _validate_traced(
         try:
             yield
         finally:
-            _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
+            rows = _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
+            # int64, exactly zero and read after the exchange (inductor folds `* 0` away)
+            v.exchanged = rows[0, 0] - rows[0, 0]
         return
     v.active = True
     v.settings(**dict(_OUTER_TRACED))
@@ -647,7 +674,7 @@ def _validate_traced(
         raise
     v.fingerprint.append(("gathered", ", ".join(n for n, _ in v.tensors)))
     header, meta = _traced_header(v, device, name, min_global)
-    torch.ops.contrastive_losses.rank_header(header, meta)
+    v.exchanged = torch.ops.contrastive_losses.rank_header(header, meta)
 
 
 def _traced_header(

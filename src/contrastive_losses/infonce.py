@@ -106,6 +106,7 @@ def info_nce(
         if v.active:  # the ranks check together (else nothing is recorded)
             settings = _scale_setting(temperature, logit_scale)
             _agree_pair(v, a, t, ids, reduction, chunk_size, normalize, settings)
+    a, t, ids = v.ordered(a, t, ids)  # gathered only after the ranks' exchange
     if reduction == "mean" and ids is None and not enabled:
         if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
             mean_a2t, mean_t2a = _info_nce_means(a, t, scale)

@@ -191,6 +191,7 @@ def siglip(
                 "bias dtype": _value_dtype(bias),
             }
             _agree_pair(v, a, t, ids, reduction, chunk_size, normalize, settings)
+    a, t, ids = v.ordered(a, t, ids)  # gathered only after the ranks' exchange
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     chunk = _tile_width(chunk_size, t_all.shape[0])
