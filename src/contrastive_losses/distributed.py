@@ -865,7 +865,12 @@ def _raise_disagreement(
         raise ValueError(
             f"torch.compile: the loss runs compiled on some ranks only ({values}); under "
             "gather every rank must compile it or none: a compiled loss exchanges no batch "
-            "sizes and the ranks' collectives would not pair (every rank raises it)"
+            "sizes and the ranks' collectives would not pair. A rank whose code is compiled "
+            "also runs it eager when dynamo reaches its recompile limit (torch._dynamo."
+            f"config.{_compat.recompile_limit_name()}, default 8, counted per function; its "
+            "warning 'torch._dynamo hit config...' in that rank's log): raise the limit on "
+            "every rank or keep the shapes and settings that the loss sees fixed (every rank "
+            "raises it)"
         ) from error
     settings = [row[3 : 3 + _SETTING * _MAX_SETTINGS] for row in rows]
     if not _settings_agree(settings, dtypes=False):
