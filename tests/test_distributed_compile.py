@@ -143,6 +143,9 @@ def _past_the_recompile_limit(rank: int, a: torch.Tensor, t: torch.Tensor) -> tu
     """Both ranks compile a function (no fullgraph) and call it at two batch sizes; rank 1
     allows dynamo one compile of it, so its second call runs eager (dynamo's fallback)
     while rank 0 recompiles: what the ranks raise then."""
+    # Past the limit dynamo still runs the code it compiled for the frames called inside:
+    # the earlier cases' (the loss Module's) would serve rank 1 compiled. None are kept.
+    torch._dynamo.reset()
     loss = InfoNCELoss()
 
     def fresh(a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # a code object of its own
