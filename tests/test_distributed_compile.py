@@ -193,13 +193,13 @@ def _mismatches(rank: int) -> dict[str, tuple]:
     # compiled on rank 0 only
     one = InfoNCELoss()
     out["one_rank"] = _outcome(compiled(one) if rank == 0 else one, a, t)
-    out["recompile_limit"] = _past_the_recompile_limit(rank, a, t)
     # inductor may order a size-dependent gather before the exchange unless the gathered
     # tensors depend on it (a gloo abort there): a setting, then a dtype that differs
     inductor = functools.partial(torch.compile, fullgraph=True, backend="inductor")
     out["inductor chunk_size"] = _outcome(inductor(InfoNCELoss(chunk_size=(None, 2)[rank])), a, t)
     wide = (a, t) if rank == 0 else (a.double(), t.double())
     out["inductor dtype"] = _outcome(inductor(InfoNCELoss(chunk_size=2)), *wide)
+    out["recompile_limit"] = _past_the_recompile_limit(rank, a, t)
     # the same settings after all of this: the ranks still pair, and a second batch size
     # (a recompile with a dynamic one, in the header as a tensor) too; none is counted
     counted = InfoNCELoss()
