@@ -569,7 +569,9 @@ def validate_together(
     when on, the header is built in the graph and the custom op
     ``contrastive_losses::rank_header`` exchanges and reads it eager at every call, raising
     what eager raises (and, the ranks compiled, unequal batch sizes: a compiled loss
-    exchanges none); a rank compiled while a peer runs eager raises on both. A static check
+    exchanges none); a rank compiled while a peer runs eager raises on both. What the
+    caller gathers after the block goes through :meth:`Validation.ordered`, so that no
+    compiler can issue the gather before the exchange. A static check
     that fails while dynamo traces with ``fullgraph`` makes this rank's exchange at trace
     time, so its peers raise its error. Calls are not numbered there.
 
