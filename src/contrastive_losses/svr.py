@@ -353,6 +353,7 @@ def support_vector_term(
             normalize=normalize,
             mask_given=mask is not None,
         )
+    y, mask = v.ordered(y, mask)  # gathered only after the ranks' exchange
     y_all, offset = _gather(y, enabled, validate)
     m_all = None if mask is None else _gather_no_grad(mask, enabled, validate)
     r = r[None] if isinstance(r, Tensor) and r.dim() == 1 else r
@@ -1117,6 +1118,7 @@ def _prepare_pairs(
         v.batch = b
         v.agree(audio=local[keys[0][0]], text=local[keys[0][1]])
         v.settings(**(settings or {}))
+    local.update(zip(local, v.ordered(*local.values()), strict=True))  # after the exchange
     offset = 0
     for key, x in local.items():  # the same order on every rank
         glob[key], offset = _gather(x, enabled, validate)
