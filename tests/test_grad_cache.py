@@ -209,7 +209,8 @@ def test_without_dropout_equals_the_literal_plain_step() -> None:
 def test_dropout_is_replayed_not_redrawn() -> None:
     """With the RNG not restored the replay would draw new masks: the cached gradients would
     belong to another forward. A control (the same step with the replay's RNG restore
-    disabled) differs, so the equality above is not trivial."""
+    disabled) is refused by the replay check, and with the check off it differs, so the
+    equality above is not trivial."""
     loss_fn = InfoNCELoss(0.1).double()
     audio_enc, text_enc = _models(torch.float64, dropout=0.5)
     a, t = _inputs(torch.float64, k_captions=False)
@@ -223,7 +224,11 @@ def test_dropout_is_replayed_not_redrawn() -> None:
     original = grad_cache._RngState.replay
     grad_cache._RngState.replay = lambda self: torch.random.fork_rng()  # type: ignore[method-assign]
     try:
-        GradCache(loss_fn, CHUNK)(audio_enc, a, text_enc, t)
+        with pytest.raises(RuntimeError, match=r"replay of audio_encoder \(Encoder\), chunk 0"):
+            GradCache(loss_fn, CHUNK)(audio_enc, a, text_enc, t)
+        _zero(audio_enc, text_enc)
+        torch.manual_seed(3)
+        GradCache(loss_fn, CHUNK, check_replay=False)(audio_enc, a, text_enc, t)
     finally:
         grad_cache._RngState.replay = original  # type: ignore[method-assign]
     got = _grads(audio_enc, text_enc)
