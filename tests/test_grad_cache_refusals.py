@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import init_gloo, spawn_ranks
+from helpers import close_gloo, init_gloo, spawn_ranks
 from test_grad_cache import A_IN, CHUNK, T_IN, D, Encoder, _grads, _inputs, _plain_step
 from torch import Tensor, nn
 
@@ -281,7 +280,7 @@ def _rank_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
         t = torch.randn(5, T_IN, generator=g, dtype=F64)
         torch.save(_ddp_cases(rank, a, t), Path(out_dir) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        close_gloo()
 
 
 def test_ddp_cases_on_two_gloo_ranks(tmp_path: Path) -> None:

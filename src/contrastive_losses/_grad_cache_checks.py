@@ -234,7 +234,9 @@ _WRAPPER: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary(
 
 def _find_wrappers(modules: list[nn.Module]) -> None:
     for obj in gc.get_objects():
-        if isinstance(obj, DDP):
+        # type(), not isinstance: isinstance reads a stranger's __class__, which can run
+        # code (a lazy module's import, a deprecated alias's warning) and hang a rank
+        if issubclass(type(obj), DDP):
             ref = weakref.ref(obj)
             for m in obj.module.modules():
                 _WRAPPER[m] = ref

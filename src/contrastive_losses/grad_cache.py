@@ -16,8 +16,10 @@ encoder, :math:`\mathcal{L}` the loss, and the batch split into chunks :math:`c`
    \, \partial \ell / \partial u_c`.
 
 Step 3 recomputes exactly what step 1 computed, so the gradients are those of the plain step
-up to float summation order; one extra forward of each encoder is the cost, and the largest
-set of activations alive at once is one chunk's.
+*run in the same chunks* up to float summation order (with dropout, the masks are drawn per
+chunk: see the class); one extra forward of each encoder is the cost, and the largest set of
+activations alive at once is one chunk's. What would make step 3 differ from step 1 is
+refused (``_grad_cache_checks``), never turned into a silently wrong gradient.
 """
 
 from __future__ import annotations
@@ -195,6 +197,32 @@ class GradCache:
     embeddings and the loss's own memory (tile the loss with its ``chunk_size`` when the
     ``B x B`` logits are the larger part: the two compose).
 
+    **Dropout**: the gradients are those of the plain step *run in the same chunks* (each
+    encoder called on chunk after chunk with autograd, from the same RNG state: the same
+    masks; equal to 6e-8 relative in float32), not those of one full-batch call, whose masks
+    are other draws: with dropout 0.1 in the CED and transformer of
+    ``benchmarks/bench_grad_cache_checks.py`` (B = 64, chunks of 16) the encoders'
+    gradients are 0.30 apart (relative L2) from the full-batch step's, as far as two
+    full-batch steps from different seeds are (0.36; 0.31-0.38 over 5 seeds). Without
+    dropout the two are equal.
+
+    **Refused, never silently wrong**: the replay must compute what the first pass computed.
+    Each replayed chunk is compared with its cached embedding before its ``backward``
+    (``check_replay``); a ``RuntimeError`` names the encoder, the chunk, the largest
+    difference and the likely causes: randomness outside torch's generators (Python
+    ``random``, numpy, a private ``torch.Generator``), state updated in forward, an
+    in-place op on the input, a forward that reads grad mode. Before any gradient exists a
+    ``ValueError`` refuses an input tensor changed in place by the first pass (its version
+    counter), a buffer that the modules called in the first pass changed (a counter, a
+    running normaliser, spectral norm's power iteration; batch-norm statistics are handled
+    by ``batch_norm``), and trainable modules of a live ``DistributedDataParallel`` reached
+    without its forward. The modules are those actually called (a global forward pre-hook
+    during the first pass, this thread only), so a ``lambda`` or ``functools.partial``
+    around a model hides nothing. Not seen: batch statistics computed without a module
+    (``F.batch_norm(..., training=True)`` in a forward) and state outside buffers (a plain
+    attribute, a write through ``.data``) -- unless they change the replayed output, which
+    the replay check catches.
+
     Args:
         loss_fn: a loss of this library (any ``Module`` or function taking
             ``(audio_embeddings, text_embeddings, **loss_kwargs)`` and returning a scalar or
@@ -214,8 +242,26 @@ class GradCache:
             LayerNorm / GroupNorm); ``"per_chunk"`` accepts the chunk statistics, as DDP
             without ``SyncBatchNorm`` accepts each rank's (the gradient is then exact for
             that per-chunk forward). Either way the replay does not update the running
-            statistics a second time; the encoder must be an ``nn.Module`` (or a bound
-            method of one) for GradCache to find them.
+            statistics a second time. The layers are found among the modules called in the
+            first pass (behind a bound method, a ``lambda`` or a ``functools.partial`` too);
+            a layer in eval mode without running statistics also normalises by the batch.
+        check_replay: compare each replayed chunk with its first pass before its
+            ``backward`` (default ``True``): a difference beyond
+            ``16 * finfo(dtype).eps * max |embedding of the chunk|`` raises a
+            ``RuntimeError`` (the ``.grad`` of the chunks replayed before it and of the
+            loss's parameters are then partial). On CPU the two passes are bit-identical;
+            the margin covers GPU kernels without a fixed reduction order and fused
+            inference paths (``nn.TransformerEncoderLayer`` in ``eval()``: 2-4 ulps). Its
+            cost: one host sync per chunk; not measurable on CPU at ``B = 256``, chunks of
+            32 (CPU-time ratio 1.000, runs 0.992-1.006:
+            ``benchmarks/bench_grad_cache_checks.py``). ``False`` skips the comparison
+            only: the other refusals above always run.
+        validate_args: under a process group of more than one rank, check after the step
+            that each ``DistributedDataParallel`` encoder's gradients are the same on every
+            rank (one all-reduce of four float64 numbers per encoder and a host sync; a
+            ``RuntimeError`` on every rank otherwise). ``None`` (default): the library's
+            default (:func:`~contrastive_losses.set_default_validate_args`); skipped for a
+            DDP inside the caller's own ``no_sync()``.
 
     Call:
         ``cache(audio_encoder, audio_inputs, text_encoder, text_inputs, **loss_kwargs)``.
@@ -228,7 +274,14 @@ class GradCache:
         ``loss_fn`` unchanged (``mask=``, ``ids=``, ``return_terms=True``, ...). Under
         ``torch.autocast`` both passes run under it. An encoder that is a
         :class:`~torch.nn.parallel.DistributedDataParallel` module re-runs every chunk but
-        its last under ``no_sync()``: its gradients are all-reduced once per step. A loss
+        its last under ``no_sync()``: its gradients are all-reduced once per step (with
+        ``static_graph=True``, which torch cannot run under ``no_sync()``, every chunk's
+        backward all-reduces: the same gradients, ``B / chunk_size`` times the traffic).
+        Pass the DDP itself: a tower reached around it (``ddp.module.encode_audio``, a
+        submodule of ``ddp.module``, a lambda around either) would never be all-reduced
+        and is refused; wrap each tower in its own DDP instead. The live DDPs are found
+        once per module by a scan of the garbage collector's objects, and only under an
+        initialised process group. A loss
         with ``gather=True`` gathers the embeddings across ranks as it does in the plain
         step (its own parameters are not DDP's business here any more than in the plain
         step: wrap the loss in DDP too, or average them, as you would there).
