@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import init_gloo, spawn_ranks
+from helpers import close_gloo, init_gloo, spawn_ranks
 from torch import Tensor, nn
 
 from contrastive_losses import (
@@ -209,7 +209,8 @@ def test_without_dropout_equals_the_literal_plain_step() -> None:
 def test_dropout_is_replayed_not_redrawn() -> None:
     """With the RNG not restored the replay would draw new masks: the cached gradients would
     belong to another forward. A control (the same step with the replay's RNG restore
-    disabled) differs, so the equality above is not trivial."""
+    disabled) is refused by the replay check, and with the check off it differs, so the
+    equality above is not trivial."""
     loss_fn = InfoNCELoss(0.1).double()
     audio_enc, text_enc = _models(torch.float64, dropout=0.5)
     a, t = _inputs(torch.float64, k_captions=False)
@@ -223,7 +224,11 @@ def test_dropout_is_replayed_not_redrawn() -> None:
     original = grad_cache._RngState.replay
     grad_cache._RngState.replay = lambda self: torch.random.fork_rng()  # type: ignore[method-assign]
     try:
-        GradCache(loss_fn, CHUNK)(audio_enc, a, text_enc, t)
+        with pytest.raises(RuntimeError, match=r"replay of audio_encoder \(Encoder\), chunk 0"):
+            GradCache(loss_fn, CHUNK)(audio_enc, a, text_enc, t)
+        _zero(audio_enc, text_enc)
+        torch.manual_seed(3)
+        GradCache(loss_fn, CHUNK, check_replay=False)(audio_enc, a, text_enc, t)
     finally:
         grad_cache._RngState.replay = original  # type: ignore[method-assign]
     got = _grads(audio_enc, text_enc)
@@ -416,45 +421,50 @@ def test_refuses_no_grad_and_non_tensor_outputs() -> None:
 SIZES = (5, 3)
 
 
+def _rank_steps(rank: int, world: int) -> dict[str, Any]:
+    """The plain and the cached DDP step on this rank (the DDPs die on return)."""
+    g = torch.Generator().manual_seed(10 + rank)
+    n = SIZES[rank]
+    a = torch.randn(n, A_IN, generator=g, dtype=torch.float64)
+    t = torch.randn(n, K, T_IN, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, K, generator=g) > 0.3
+    mask[:, 0] = True
+    out: dict[str, Any] = {}
+    for mode in ("plain", "cached"):
+        torch.manual_seed(0)  # same weights on both ranks
+        audio_enc = nn.parallel.DistributedDataParallel(Encoder(A_IN, 0.0).double())
+        text_enc = nn.parallel.DistributedDataParallel(Encoder(T_IN, 0.0).double())
+        loss_fn = KCLLoss(0.1, learnable_temperature=True, gather=True).double()
+        reductions = [0]
+
+        def hook(state, bucket, reductions=reductions):  # type: ignore[no-untyped-def]
+            reductions[0] += 1  # (no annotations: DDP checks them, and they are strings)
+            fut = dist.all_reduce(bucket.buffer() / world, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
+
+        audio_enc.register_comm_hook(None, hook)
+        text_enc.register_comm_hook(None, hook)
+        torch.manual_seed(100 + rank)
+        if mode == "plain":  # DDP wants one forward per backward: the whole batch
+            loss = loss_fn(audio_enc(a), text_enc(t), mask=mask)
+            loss.backward()
+            loss = loss.detach()
+        else:
+            loss = GradCache(loss_fn, 2)(audio_enc, a, text_enc, t, mask=mask)
+        out[mode] = {
+            "loss": loss,
+            "grads": _grads(audio_enc.module, text_enc.module, loss_fn),
+            "reductions": reductions[0],
+        }
+    return out
+
+
 def _rank_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     init_gloo(rank, world, init_method, timeout_s=120)
     try:
-        g = torch.Generator().manual_seed(10 + rank)
-        n = SIZES[rank]
-        a = torch.randn(n, A_IN, generator=g, dtype=torch.float64)
-        t = torch.randn(n, K, T_IN, generator=g, dtype=torch.float64)
-        mask = torch.rand(n, K, generator=g) > 0.3
-        mask[:, 0] = True
-        out: dict[str, Any] = {}
-        for mode in ("plain", "cached"):
-            torch.manual_seed(0)  # same weights on both ranks
-            audio_enc = nn.parallel.DistributedDataParallel(Encoder(A_IN, 0.0).double())
-            text_enc = nn.parallel.DistributedDataParallel(Encoder(T_IN, 0.0).double())
-            loss_fn = KCLLoss(0.1, learnable_temperature=True, gather=True).double()
-            reductions = [0]
-
-            def hook(state, bucket, reductions=reductions):  # type: ignore[no-untyped-def]
-                reductions[0] += 1  # (no annotations: DDP checks them, and they are strings)
-                fut = dist.all_reduce(bucket.buffer() / world, async_op=True).get_future()
-                return fut.then(lambda f: f.value()[0])
-
-            audio_enc.register_comm_hook(None, hook)
-            text_enc.register_comm_hook(None, hook)
-            torch.manual_seed(100 + rank)
-            if mode == "plain":  # DDP wants one forward per backward: the whole batch
-                loss = loss_fn(audio_enc(a), text_enc(t), mask=mask)
-                loss.backward()
-                loss = loss.detach()
-            else:
-                loss = GradCache(loss_fn, 2)(audio_enc, a, text_enc, t, mask=mask)
-            out[mode] = {
-                "loss": loss,
-                "grads": _grads(audio_enc.module, text_enc.module, loss_fn),
-                "reductions": reductions[0],
-            }
-        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(_rank_steps(rank, world), Path(out_dir) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        close_gloo()
 
 
 def test_two_gloo_ranks_under_ddp(tmp_path: Path) -> None:

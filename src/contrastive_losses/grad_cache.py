@@ -16,8 +16,10 @@ encoder, :math:`\mathcal{L}` the loss, and the batch split into chunks :math:`c`
    \, \partial \ell / \partial u_c`.
 
 Step 3 recomputes exactly what step 1 computed, so the gradients are those of the plain step
-up to float summation order; one extra forward of each encoder is the cost, and the largest
-set of activations alive at once is one chunk's.
+*run in the same chunks* up to float summation order (with dropout, the masks are drawn per
+chunk: see the class); one extra forward of each encoder is the cost, and the largest set of
+activations alive at once is one chunk's. What would make step 3 differ from step 1 is
+refused (``_grad_cache_checks``), never turned into a silently wrong gradient.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from . import _checks, distributed
+from . import _grad_cache_checks as _gc_checks
 from ._docs import init_doc
 
 __all__ = ["GradCache"]
@@ -104,16 +108,6 @@ def _owner(encoder: Callable[..., Any]) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
-def _training_batch_norms(module: nn.Module | None) -> list[str]:
-    if module is None:
-        return []
-    return [
-        name or type(m).__name__
-        for name, m in module.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-    ]
-
-
 def _tensors(inputs: Inputs) -> list[Tensor]:
     if isinstance(inputs, Tensor):
         return [inputs]
@@ -150,25 +144,31 @@ def _cuda_devices(inputs: Inputs, owner: nn.Module | None) -> list[int]:
 
 @dataclass
 class _Tower:
-    """One encoder's cached pass: its chunks, their RNG states, its leaf embeddings."""
+    """One encoder's cached pass: its chunks, their RNG states and output rows, its leaf
+    embeddings, the batch-norm layers it called, its DDP (if any) and whether that DDP
+    all-reduces in this step."""
 
     name: str
     encoder: Callable[..., Tensor]
     chunks: list[Inputs]
     states: list[_RngState]
+    rows: list[int]
     embeddings: Tensor
+    batch_norms: list[nn.Module]
+    ddp: nn.parallel.DistributedDataParallel | None
+    syncs: bool
 
 
-def _snapshot_batch_norms(module: nn.Module | None) -> list[tuple[Tensor, Tensor]]:
-    """(buffer, copy) of every batch-norm buffer, to undo a replay's statistics update."""
-    if module is None:
-        return []
+def _ddp_of(encoder: Callable[..., Any]) -> nn.parallel.DistributedDataParallel | None:
+    """The DDP behind ``encoder``: itself or the object of its bound method (``ddp.forward``)."""
+    owner = _owner(encoder)
+    return owner if isinstance(owner, nn.parallel.DistributedDataParallel) else None
+
+
+def _snapshot(modules: list[nn.Module]) -> list[tuple[Tensor, Tensor]]:
+    """(buffer, copy) of every buffer of ``modules``, to undo a replay's statistics update."""
     return [
-        (b, b.detach().clone())
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        for b in m.buffers(recurse=False)
-        if b is not None
+        (b, b.detach().clone()) for m in modules for b in m.buffers(recurse=False) if b is not None
     ]
 
 
@@ -197,6 +197,32 @@ class GradCache:
     embeddings and the loss's own memory (tile the loss with its ``chunk_size`` when the
     ``B x B`` logits are the larger part: the two compose).
 
+    **Dropout**: the gradients are those of the plain step *run in the same chunks* (each
+    encoder called on chunk after chunk with autograd, from the same RNG state: the same
+    masks; equal to 6e-8 relative in float32), not those of one full-batch call, whose masks
+    are other draws: with dropout 0.1 in the CED and transformer of
+    ``benchmarks/bench_grad_cache_checks.py`` (B = 64, chunks of 16) the encoders'
+    gradients are 0.30 apart (relative L2) from the full-batch step's, as far as two
+    full-batch steps from different seeds are (0.36; 0.31-0.38 over 5 seeds). Without
+    dropout the two are equal.
+
+    **Refused, never silently wrong**: the replay must compute what the first pass computed.
+    Each replayed chunk is compared with its cached embedding before its ``backward``
+    (``check_replay``); a ``RuntimeError`` names the encoder, the chunk, the largest
+    difference and the likely causes: randomness outside torch's generators (Python
+    ``random``, numpy, a private ``torch.Generator``), state updated in forward, an
+    in-place op on the input, a forward that reads grad mode. Before any gradient exists a
+    ``ValueError`` refuses an input tensor changed in place by the first pass (its version
+    counter), a buffer that the modules called in the first pass changed (a counter, a
+    running normaliser, spectral norm's power iteration; batch-norm statistics are handled
+    by ``batch_norm``), and trainable modules of a live ``DistributedDataParallel`` reached
+    without its forward. The modules are those actually called (a global forward pre-hook
+    during the first pass, this thread only), so a ``lambda`` or ``functools.partial``
+    around a model hides nothing. Not seen: batch statistics computed without a module
+    (``F.batch_norm(..., training=True)`` in a forward) and state outside buffers (a plain
+    attribute, a write through ``.data``) -- unless they change the replayed output, which
+    the replay check catches.
+
     Args:
         loss_fn: a loss of this library (any ``Module`` or function taking
             ``(audio_embeddings, text_embeddings, **loss_kwargs)`` and returning a scalar or
@@ -216,8 +242,26 @@ class GradCache:
             LayerNorm / GroupNorm); ``"per_chunk"`` accepts the chunk statistics, as DDP
             without ``SyncBatchNorm`` accepts each rank's (the gradient is then exact for
             that per-chunk forward). Either way the replay does not update the running
-            statistics a second time; the encoder must be an ``nn.Module`` (or a bound
-            method of one) for GradCache to find them.
+            statistics a second time. The layers are found among the modules called in the
+            first pass (behind a bound method, a ``lambda`` or a ``functools.partial`` too);
+            a layer in eval mode without running statistics also normalises by the batch.
+        check_replay: compare each replayed chunk with its first pass before its
+            ``backward`` (default ``True``): a difference beyond
+            ``16 * finfo(dtype).eps * max |embedding of the chunk|`` raises a
+            ``RuntimeError`` (the ``.grad`` of the chunks replayed before it and of the
+            loss's parameters are then partial). On CPU the two passes are bit-identical;
+            the margin covers GPU kernels without a fixed reduction order and fused
+            inference paths (``nn.TransformerEncoderLayer`` in ``eval()``: 2-4 ulps). Its
+            cost: one host sync per chunk; not measurable on CPU at ``B = 256``, chunks of
+            32 (CPU-time ratio 1.000, runs 0.992-1.006:
+            ``benchmarks/bench_grad_cache_checks.py``). ``False`` skips the comparison
+            only: the other refusals above always run.
+        validate_args: under a process group of more than one rank, check after the step
+            that each ``DistributedDataParallel`` encoder's gradients are the same on every
+            rank (one all-reduce of four float64 numbers per encoder and a host sync; a
+            ``RuntimeError`` on every rank otherwise). ``None`` (default): the library's
+            default (:func:`~contrastive_losses.set_default_validate_args`); skipped for a
+            DDP inside the caller's own ``no_sync()``.
 
     Call:
         ``cache(audio_encoder, audio_inputs, text_encoder, text_inputs, **loss_kwargs)``.
@@ -230,7 +274,14 @@ class GradCache:
         ``loss_fn`` unchanged (``mask=``, ``ids=``, ``return_terms=True``, ...). Under
         ``torch.autocast`` both passes run under it. An encoder that is a
         :class:`~torch.nn.parallel.DistributedDataParallel` module re-runs every chunk but
-        its last under ``no_sync()``: its gradients are all-reduced once per step. A loss
+        its last under ``no_sync()``: its gradients are all-reduced once per step (with
+        ``static_graph=True``, which torch cannot run under ``no_sync()``, every chunk's
+        backward all-reduces: the same gradients, ``B / chunk_size`` times the traffic).
+        Pass the DDP itself: a tower reached around it (``ddp.module.encode_audio``, a
+        submodule of ``ddp.module``, a lambda around either) would never be all-reduced
+        and is refused; wrap each tower in its own DDP instead. The live DDPs are found
+        once per module by a scan of the garbage collector's objects, and only under an
+        initialised process group. A loss
         with ``gather=True`` gathers the embeddings across ranks as it does in the plain
         step (its own parameters are not DDP's business here any more than in the plain
         step: wrap the loss in DDP too, or average them, as you would there).
@@ -262,6 +313,8 @@ class GradCache:
         *,
         scaler: torch.amp.GradScaler | None = None,
         batch_norm: Literal["error", "per_chunk"] = "error",
+        check_replay: bool = True,
+        validate_args: bool | None = None,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable loss, got {type(loss_fn).__name__}")
@@ -271,15 +324,21 @@ class GradCache:
             raise TypeError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
         if batch_norm not in _BATCH_NORM_MODES:
             raise ValueError(f"batch_norm: expected one of {_BATCH_NORM_MODES}, got {batch_norm!r}")
+        if not isinstance(check_replay, bool):
+            raise TypeError(f"check_replay: expected True or False, got {check_replay!r}")
+        _checks.resolve_validate(validate_args)  # the type check
         self.loss_fn = loss_fn
         self.chunk_size = chunk_size
         self.scaler = scaler
         self.batch_norm = batch_norm
+        self.check_replay = check_replay
+        self.validate_args = validate_args
 
     def __repr__(self) -> str:
         return (
             f"GradCache({self.loss_fn!r}, chunk_size={self.chunk_size}, "
-            f"scaler={self.scaler!r}, batch_norm={self.batch_norm!r})"
+            f"scaler={self.scaler!r}, batch_norm={self.batch_norm!r}, "
+            f"check_replay={self.check_replay}, validate_args={self.validate_args})"
         )
 
     def __call__(
@@ -309,61 +368,83 @@ class GradCache:
             )
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self._replay(towers)
+        if distributed.is_distributed() and _checks.resolve_validate(self.validate_args):
+            synced = {id(t.ddp): (t.name, t.ddp) for t in towers if t.ddp is not None and t.syncs}
+            _gc_checks.check_ranks_agree(list(synced.values()))
         detached = loss.detach()
         return (detached, *out[1:]) if isinstance(out, tuple) else detached
 
     def _encode(
         self, name: str, encoder: Callable[..., Tensor], inputs: Inputs, inputs_name: str
     ) -> _Tower:
-        """Step 1 for one encoder: chunks under ``no_grad``, RNG state before each."""
+        """Step 1 for one encoder: chunks under ``no_grad``, RNG state before each; then
+        refuse what the replay could not reproduce (module calls watched, inputs' versions)."""
         if not callable(encoder):
             raise TypeError(f"{name}: expected a callable encoder, got {type(encoder).__name__}")
         rows = _rows(inputs, inputs_name)
         owner = _owner(encoder)
-        norms = _training_batch_norms(owner) if rows > self.chunk_size else []
-        if norms and self.batch_norm == "error":
-            raise ValueError(
-                f"{name}: batch-norm layers in training mode ({', '.join(norms[:4])}) normalise "
-                "each chunk by its own statistics, so GradCache would not give the plain step; "
-                "put them in eval() (or use LayerNorm/GroupNorm), or pass "
-                "GradCache(..., batch_norm='per_chunk') to accept the per-chunk statistics"
-            )
+        ddp = _ddp_of(encoder)
+        versions = _gc_checks.InputVersions(inputs, inputs_name)
+        refuse = self.batch_norm == "error" and rows > self.chunk_size
+        watch = _gc_checks.ModuleWatch(name, owner, refuse_batch_norm=refuse)
         devices = _cuda_devices(inputs, owner)
         chunks = _split(inputs, self.chunk_size)
         states, outputs = [], []
-        with torch.no_grad():
+        with torch.no_grad(), watch:
             for chunk in chunks:
                 states.append(_RngState.capture(devices))
                 outputs.append(_call(encoder, chunk, name))
+        versions.check(name)
+        watch.check_buffers()
+        modules = list(watch.modules.values())
+        _gc_checks.check_ddp_reached(name, encoder, modules)
         embeddings = torch.cat(outputs).detach().requires_grad_(True)
-        return _Tower(name, encoder, chunks, states, embeddings)
+        # a DDP inside the caller's own no_sync() (accumulation) does not all-reduce now
+        syncs = ddp is not None and ddp.require_backward_grad_sync
+        return _Tower(
+            name, encoder, chunks, states, [o.shape[0] for o in outputs], embeddings,
+            watch.batch_norms, ddp, syncs,
+        )  # fmt: skip
 
     def _replay(self, towers: list[_Tower]) -> None:
-        """Step 3: re-encode each chunk with autograd and back-propagate its cached slice;
-        a DDP encoder all-reduces on its last chunk only."""
+        """Step 3: re-encode each chunk with autograd, compare it with its first pass
+        (``check_replay``) and back-propagate its cached slice; a DDP encoder all-reduces on
+        its last chunk only (on every chunk with ``static_graph=True``, which torch cannot
+        run under ``no_sync``); batch-norm statistics are put back as the first pass left
+        them."""
         runs = [
             (tower, i) for tower in towers if tower.embeddings.grad is not None
             for i in range(len(tower.chunks))
         ]  # fmt: skip
-        last = {id(tower.encoder): n for n, (tower, _) in enumerate(runs)}
+        last = {id(tower.ddp): n for n, (tower, _) in enumerate(runs)}
         stop: set[int] = set()  # towers whose encoder has nothing to train
-        offsets = {id(tower): 0 for tower in towers}
-        for n, (tower, i) in enumerate(runs):
-            if id(tower) in stop:
-                continue
-            grad = tower.embeddings.grad
-            assert grad is not None  # runs holds only towers the loss reached
-            no_sync = getattr(tower.encoder, "no_sync", None)
-            sync_off = no_sync() if callable(no_sync) and last[id(tower.encoder)] != n else None
-            saved = _snapshot_batch_norms(_owner(tower.encoder))
-            with sync_off or contextlib.nullcontext(), tower.states[i].replay():
-                out = _call(tower.encoder, tower.chunks[i], tower.name)
-                start = offsets[id(tower)]
-                offsets[id(tower)] = start + out.shape[0]
-                if out.requires_grad:
-                    out.backward(grad[start : start + out.shape[0]].to(out.dtype))
-                else:
+        saved = _snapshot([m for tower in towers for m in tower.batch_norms])
+        try:
+            for n, (tower, i) in enumerate(runs):
+                if id(tower) in stop:
+                    continue
+                if not self._replay_chunk(tower, i, defer_sync=last[id(tower.ddp)] != n):
                     stop.add(id(tower))  # a frozen encoder: nothing to back-propagate
+        finally:
             with torch.no_grad():
                 for buffer, value in saved:
                     buffer.copy_(value)
+
+    def _replay_chunk(self, tower: _Tower, i: int, defer_sync: bool) -> bool:
+        """Chunk ``i`` of ``tower`` re-encoded and back-propagated; False when its output
+        needs no gradient."""
+        grad = tower.embeddings.grad
+        assert grad is not None  # runs holds only towers the loss reached
+        ddp = tower.ddp
+        no_sync = ddp is not None and defer_sync and not ddp.static_graph
+        start = sum(tower.rows[:i])
+        rows = slice(start, start + tower.rows[i])
+        with ddp.no_sync() if no_sync else contextlib.nullcontext(), tower.states[i].replay():
+            out = _call(tower.encoder, tower.chunks[i], tower.name)
+            if not out.requires_grad:
+                return False
+            if self.check_replay:
+                cached = tower.embeddings.detach()[rows]
+                _gc_checks.check_replay(tower.name, tower.encoder, i, rows, out, cached)
+            out.backward(grad[rows].to(out.dtype))
+        return True
