@@ -42,7 +42,9 @@ glibc's mmap threshold is fixed at 64 KiB so RSS follows the live tensors.
 
 **Time** (a fresh process per B): the steps interleaved in a new random order each round
 after a warm-up, median wall and CPU seconds of each; ratios against ``plain``. The machine
-was shared with other jobs: the CPU-time ratio is the less noisy one.
+was shared with other jobs: the CPU-time ratio is the less noisy one. ``--runs`` (default 3)
+repeats the timing processes, interleaved B by B (run 1 of every B, then run 2, ...); each
+committed ratio is the median over the runs with its range.
 
 Results: ``results/grad_cache.json``; ``--quick`` (B = 64, 128, chunk 16) writes
 ``results/quick/``.
@@ -68,7 +70,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 from bench_memory import MMAP_THRESHOLD, _status_kib, _trim  # noqa: E402
-from timing import interleaved_wall_and_cpu, markdown_table, warm_up, write_results  # noqa: E402
+from timing import (  # noqa: E402
+    combine_runs,
+    interleaved_wall_and_cpu,
+    markdown_table,
+    warm_up,
+    write_results,
+)
 
 from contrastive_losses import GradCache, InfoNCELoss  # noqa: E402
 
@@ -291,7 +299,25 @@ def try_peer(path: str | None) -> dict[str, Any]:
 # ------------------------------------------------------------------------- main
 
 
+# per timing run: each step's ratio to the plain step (CPU time, wall time)
+RATIO_FIELDS = (*(f"{n}_{c}ratio" for n in STEPS[1:] for c in ("cpu_", "")), "plain_cpu_s")
+
+
+def with_ratios(t: dict[str, Any]) -> dict[str, Any]:
+    """One timing run's row with each step's ratios to the plain step."""
+    out = dict(t)
+    for name in STEPS[1:]:
+        out[f"{name}_cpu_ratio"] = t[f"{name}_cpu_s"] / t["plain_cpu_s"]
+        out[f"{name}_ratio"] = t[f"{name}_s"] / t["plain_s"]
+    return out
+
+
 def summarise(mem: list[dict[str, Any]], tim: list[dict[str, Any]]) -> str:
+    def ratio(t: dict[str, Any], name: str) -> str:
+        cpu = f"{name}_cpu_ratio"
+        spread = f"{t.get(cpu + '_min', t[cpu]):.2f}-{t.get(cpu + '_max', t[cpu]):.2f}"
+        return f"{t[cpu]:.2f}x [{spread}] ({t[f'{name}_ratio']:.2f}x)"
+
     rows = []
     for t in tim:
         b = t["b"]
@@ -303,10 +329,8 @@ def summarise(mem: list[dict[str, Any]], tim: list[dict[str, Any]]) -> str:
                 f"{extra['grad_cache']:.0f} ({extra['grad_cache'] / extra['plain']:.2f}x)",
                 f"{extra['accum_freq']:.0f} ({extra['accum_freq'] / extra['plain']:.2f}x)",
                 f"{t['plain_cpu_s']:.2f}",
-                f"{t['grad_cache_cpu_s'] / t['plain_cpu_s']:.2f}x"
-                f" ({t['grad_cache_s'] / t['plain_s']:.2f}x)",
-                f"{t['accum_freq_cpu_s'] / t['plain_cpu_s']:.2f}x"
-                f" ({t['accum_freq_s'] / t['plain_s']:.2f}x)",
+                ratio(t, "grad_cache"),
+                ratio(t, "accum_freq"),
             ]
         )
     header = [
@@ -315,8 +339,8 @@ def summarise(mem: list[dict[str, Any]], tim: list[dict[str, Any]]) -> str:
         "GradCache MiB",
         "accum-freq MiB",
         "plain CPU s",
-        "GradCache time, CPU (wall)",
-        "accum-freq time, CPU (wall)",
+        "GradCache time, CPU [range over runs] (wall)",
+        "accum-freq time, CPU [range over runs] (wall)",
     ]
     return markdown_table(header, rows)
 
@@ -327,6 +351,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=None)
     p.add_argument("--chunk", type=int, default=None)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--runs", type=int, default=3, help="timing runs, interleaved B by B")
     p.add_argument("--peer-path", default=None)
     p.add_argument("--memory-case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--time-case", default=None, help=argparse.SUPPRESS)
@@ -345,14 +370,20 @@ def main() -> None:
     print(json.dumps(values, indent=1), flush=True)
     peer = try_peer(args.peer_path)
     print("grad-cache-con-learning:", json.dumps(peer), flush=True)
-    mem, tim = [], []
+    mem: list[dict[str, Any]] = []
     for b in batches:
         for step in STEPS:
             mem.append(run_child("--memory-case", {"b": b, "chunk": chunk, "step": step}))
             print(f"memory B={b} {step}: {mem[-1]['extra_mib']:.0f} MiB", flush=True)
-        case = {"b": b, "chunk": chunk, "rounds": rounds, "warmup": 1.0 if args.quick else 3.0}
-        tim.append(run_child("--time-case", case))
-        print(f"time B={b}: {json.dumps({k: v for k, v in tim[-1].items() if k.endswith('_s')})}")
+    runs: list[list[dict[str, Any]]] = []
+    for _ in range(1 if args.quick else args.runs):  # run r of every B, then r + 1
+        runs.append([])
+        for b in batches:
+            case = {"b": b, "chunk": chunk, "rounds": rounds, "warmup": 1.0 if args.quick else 3.0}
+            runs[-1].append(with_ratios(run_child("--time-case", case)))
+            timed = {k: v for k, v in runs[-1][-1].items() if k.endswith("_s")}
+            print(f"time run {len(runs)} B={b}: {json.dumps(timed)}", flush=True)
+    tim = combine_runs(runs, ("b",), RATIO_FIELDS)
     table = summarise(mem, tim)
     print(table)
     write_results(
