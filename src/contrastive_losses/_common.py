@@ -1,12 +1,14 @@
 """Machinery shared by the losses: input checks, the temperature floor, the local rows
-against the (gathered) global batch and their reduction, the ``terms`` dict, the
-temperature parameter of the Modules, and the radius checks SVR and the diagnostics share.
+against the (gathered) global batch and their reduction, the ``terms`` dict and the row
+mask. The Modules' settings and temperature are in :mod:`contrastive_losses._settings`,
+the InfoNCE rows in :mod:`contrastive_losses._nce_rows`, the radius checks in
+:mod:`contrastive_losses._svr_radius`.
 
 Private: each method's module (:mod:`~contrastive_losses.infonce`,
 :mod:`~contrastive_losses.siglip`, :mod:`~contrastive_losses.kcl`,
 :mod:`~contrastive_losses.cacl`, :mod:`~contrastive_losses.svr`) imports from here; the
-public names (:class:`ContrastivePair`, ``MIN_TEMPERATURE``, ``check_radius``) are
-re-exported by :mod:`contrastive_losses.losses` and :mod:`contrastive_losses.functional`.
+public names (:class:`ContrastivePair`, ``MIN_TEMPERATURE``) are re-exported by
+:mod:`contrastive_losses.losses` and :mod:`contrastive_losses.functional`.
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ from .distributed import (
     validate_together,
 )
 
+# inject, reliability and the other parts of the loss are defined in _ask_parts; import
+# them from here.
 __all__ = ["ASKLoss", "ask", "inject", "reliability"]
 
 

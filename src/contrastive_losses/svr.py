@@ -33,6 +33,8 @@ from ._svr_regularizer import SupportVectorRegularizer
 from ._svr_rows import _support_vector_rows, _tiled_support_vector_rows, _upcast_half
 from .distributed import resolve_gather, validate_together
 
+# The predictor is defined in _svr_radius, the regulariser in _svr_regularizer and the
+# maths both share in _svr_rows; import them from here.
 __all__ = ["RadiusPredictor", "SupportVectorRegularizer", "support_vector_term"]
 
 
