@@ -40,8 +40,24 @@ def init_gloo(rank: int, world: int, init_method: str, timeout_s: float | None =
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, **timeout)
 
 
+SPAWN_DEADLINE_S = 300  # spawn_ranks' default deadline
+# What a test may take beyond its own deadline (loading results, comparing, teardown).
+TIMEOUT_MARGIN_S = 120
+
+
+def outlasting(deadline_s: float) -> pytest.MarkDecorator:
+    """pytest-timeout's mark for a test (or a module, as ``pytestmark``) whose own deadline
+    for the processes it runs is ``deadline_s``: the test's timeout must come later, or
+    pytest kills a slow but healthy run (a module fixture's spawn included, which counts
+    in its first test) before the harness can say which rank hangs."""
+    return pytest.mark.timeout(deadline_s + TIMEOUT_MARGIN_S)
+
+
 def spawn_ranks(
-    worker: Callable[..., None], out_dir: Path, world: int = 2, deadline_s: float = 300
+    worker: Callable[..., None],
+    out_dir: Path,
+    world: int = 2,
+    deadline_s: float = SPAWN_DEADLINE_S,
 ) -> list[dict]:
     """Run ``worker(rank, world, init_method, out_dir)`` in ``world`` processes that call
     :func:`init_gloo`; each saves ``out_dir/rank{r}.pt``. Returns the loaded results in

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import init_gloo, spawn_ranks
+from helpers import init_gloo, outlasting, spawn_ranks
 
 from contrastive_losses import InfoNCELoss
 from contrastive_losses.distributed import call_count, check_call_counts
 
 DEADLINE_S = 300
+pytestmark = outlasting(DEADLINE_S)
 TIMEOUT_S = 10  # the process group's: the skipped backward waits for it
 
 

@@ -8,24 +8,32 @@ One spawn runs every case (a spawn and its compiles are slow on shared cores): t
 backends are ``aot_eager`` for every loss (dynamo's tracing and AOTAutograd's joint
 graph, what a graph break fails), ``eager`` for two, and ``inductor`` once for a graph of
 InfoNCE, SigLIP and KCL together. ASK's Module is not compiled (its bank's search runs
-outside the graph); its functional form on given knowledge is.
+outside the graph); its functional form on given knowledge is. Two mismatches run under
+inductor too (issue 48: it ordered the gather before the rank exchange, a gloo abort), and
+a rank that dynamo runs eager past its recompile limit is reported naming that limit.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import init_gloo, spawn_ranks
+from helpers import init_gloo, outlasting, spawn_ranks
 
-from contrastive_losses import InfoNCELoss, KCLLoss, SigLIPLoss
+from contrastive_losses import InfoNCELoss, KCLLoss, SigLIPLoss, _compat
 from contrastive_losses.distributed import call_count
 from contrastive_losses.integrations.open_clip import ClipLoss, SigLipLoss
 
-DEADLINE_S = 900
+# The spawn and its compiles take 6 minutes alone on 2 busy cores (load 7-36), over 10
+# beside other tests: the whole spawn's deadline, and pytest's after it
+DEADLINE_S = 1500
+pytestmark = outlasting(DEADLINE_S)
+# gloo's wait in one collective: a rank may compile for minutes while its peer waits
+TIMEOUT_S = 600
 B = 4  # per rank: compiled losses need equal batch sizes
 
 # compiled with aot_eager (names from tests/test_compile.py's LOSSES)
@@ -131,6 +139,29 @@ def _outcome(fn, *args) -> tuple:
     return ("value", float(out))
 
 
+def _past_the_recompile_limit(rank: int, a: torch.Tensor, t: torch.Tensor) -> tuple:
+    """Both ranks compile a function (no fullgraph) and call it at two batch sizes; rank 1
+    allows dynamo one compile of it, so its second call runs eager (dynamo's fallback)
+    while rank 0 recompiles: what the ranks raise then."""
+    # Past the limit dynamo still runs the code it compiled for the frames called inside:
+    # the earlier cases' (the loss Module's) would serve rank 1 compiled. None are kept.
+    torch._dynamo.reset()
+    loss = InfoNCELoss()
+
+    def fresh(a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # a code object of its own
+        return loss(a, t)
+
+    fn = torch.compile(fresh, backend="aot_eager")
+    name = _compat.recompile_limit_name()
+    before = getattr(torch._dynamo.config, name)
+    setattr(torch._dynamo.config, name, (before, 1)[rank])
+    try:
+        first = _outcome(fn, a, t)
+        return first if first[0] != "value" else _outcome(fn, a[:3], t[:3])
+    finally:
+        setattr(torch._dynamo.config, name, before)
+
+
 def _mismatches(rank: int) -> dict[str, tuple]:
     """The rank checks, compiled: each case one call on both ranks (each raising case
     ends with no collective left unpaired, so the next case starts clean)."""
@@ -162,6 +193,13 @@ def _mismatches(rank: int) -> dict[str, tuple]:
     # compiled on rank 0 only
     one = InfoNCELoss()
     out["one_rank"] = _outcome(compiled(one) if rank == 0 else one, a, t)
+    # inductor may order a size-dependent gather before the exchange unless the gathered
+    # tensors depend on it (a gloo abort there): a setting, then a dtype that differs
+    inductor = functools.partial(torch.compile, fullgraph=True, backend="inductor")
+    out["inductor chunk_size"] = _outcome(inductor(InfoNCELoss(chunk_size=(None, 2)[rank])), a, t)
+    wide = (a, t) if rank == 0 else (a.double(), t.double())
+    out["inductor dtype"] = _outcome(inductor(InfoNCELoss(chunk_size=2)), *wide)
+    out["recompile_limit"] = _past_the_recompile_limit(rank, a, t)
     # the same settings after all of this: the ranks still pair, and a second batch size
     # (a recompile with a dynamic one, in the header as a tensor) too; none is counted
     counted = InfoNCELoss()
@@ -179,7 +217,7 @@ def _mismatches(rank: int) -> dict[str, tuple]:
 
 
 def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
-    init_gloo(rank, world, init_method, timeout_s=120)
+    init_gloo(rank, world, init_method, timeout_s=TIMEOUT_S)
     warnings.simplefilter("ignore")
     torch._dynamo.config.cache_size_limit = 256
     if hasattr(torch._dynamo.config, "recompile_limit"):
@@ -221,6 +259,10 @@ MISMATCHES = {
     "torch.compile;",
     "one_rank": "torch.compile: the loss runs compiled on some ranks only (True on rank 0, "
     "False on rank 1);",
+    "recompile_limit": "torch.compile: the loss runs compiled on some ranks only (True on "
+    "rank 0, False on rank 1);",
+    "inductor chunk_size": "chunk_size: differs across ranks (None on rank 0, 2 on rank 1);",
+    "inductor dtype": "audio: dtype torch.float32 on rank 0 but torch.float64 on rank 1;",
 }
 
 
@@ -254,3 +296,10 @@ def test_compiled_ranks_pair_after_the_errors_at_a_new_batch_size_uncounted(resu
         assert dynamic[0] == eager[0] == "value", (dynamic, eager)
         assert dynamic[1] == pytest.approx(eager[1], rel=1e-6)
         assert r["mismatch"]["count"] == ("count", 0)  # compiled calls are not counted
+
+
+def test_a_rank_past_dynamos_recompile_limit_is_named_as_a_cause(results):
+    """A rank that dynamo runs eager at its recompile limit is reported, and the message
+    names the limit (not only the user's compile calls)."""
+    message = results[0]["mismatch"]["recompile_limit"][2]
+    assert f"torch._dynamo.config.{_compat.recompile_limit_name()}" in message, message

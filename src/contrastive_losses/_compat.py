@@ -79,6 +79,15 @@ else:
     _refuse_compile = _raise_compile_refusal
 
 
+def recompile_limit_name() -> str:
+    """The name of dynamo's per-function recompile limit in this torch: ``recompile_limit``,
+    which older releases name ``cache_size_limit``; past it dynamo runs the function
+    eager (with ``fullgraph=True`` it raises)."""
+    import torch._dynamo.config as config
+
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+
 def _cpu_half_bmm() -> bool:
     """Whether this torch has a float16 ``bmm`` on CPU (torch 2.1 has none)."""
     try:

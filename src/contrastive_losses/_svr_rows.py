@@ -197,6 +197,7 @@ def _prepare_pairs(
         v.batch = b
         v.agree(audio=local[keys[0][0]], text=local[keys[0][1]])
         v.settings(**(settings or {}))
+    local.update(zip(local, v.ordered(*local.values()), strict=True))  # after the exchange
     offset = 0
     for key, x in local.items():  # the same order on every rank
         glob[key], offset = _gather(x, enabled, validate)

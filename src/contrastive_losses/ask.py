@@ -534,6 +534,8 @@ class ASKLoss(nn.Module):
                 k_coarse_effective=0 if coarse is None else coarse.shape[1],
                 bank_backend=_search_backend(self.bank, audio.device),
             )
+        audio, text = v.ordered(audio, text)  # gathered only after the ranks' exchange
+        knowledge = dict(zip(knowledge, v.ordered(*knowledge.values()), strict=True))
         b, offset = audio.shape[0], 0
         if enabled:
             # Sinkhorn couples every pair of the batch, so each rank evaluates the loss of

@@ -226,6 +226,7 @@ class KnowledgeBank:
             audio, text, ids = checked_pairs(audio_emb, text_emb, ids, self.dim, v.min_batch)
             v.batch = audio.shape[0]
             v.agree(audio_emb=audio, text_emb=text)
+        audio, text, ids = v.ordered(audio, text, ids)  # gathered after the ranks' exchange
         if distributed:
             audio, text, ids = (
                 _all_gather_rows(audio),

@@ -117,6 +117,7 @@ def cacl(
         )
     dtype = audio.dtype  # of the loss; half inputs are computed in float32
     a, e, o = widen(a), widen(e), widen(o)
+    a, e, o = v.ordered(a, e, o)  # gathered only after the ranks' exchange
     per_sample: list[Tensor] = []
     terms: Terms = {}
     batch = _batch(0, a.shape[0], False)
@@ -383,7 +384,7 @@ class CACLLoss(_TemperatureMixin):
                 _checks.check_row_norms(chosen, "text[i, other[i]]", nonzero=self.normalize)
             v.batch = b
             v.settings(english_index=self.english_index)
-        return audio, english, chosen
+        return v.ordered(audio, english, chosen)  # passed on after the ranks' exchange
 
     def resolve_inputs(
         self,

@@ -302,6 +302,21 @@ class Validation:
     tensors: list[tuple[str, Tensor]] = field(default_factory=list)
     fingerprint: list[tuple[str, object]] = field(default_factory=list)
     active: bool = False  # the ranks check together: settings are recorded
+    # Under torch.compile: a 0-d zero computed from the exchange's result (None eager)
+    exchanged: Tensor | None = None
+
+    def ordered(self, *tensors: Tensor | None) -> tuple[typing.Any, ...]:
+        """``tensors`` (``None`` passed through) with the same values, made to depend on
+        the ranks' exchange under ``torch.compile``: call it on what will be gathered,
+        after the block. The exchange's result is a zero that no compiler can know,
+        so ``x - zero`` (``x | False`` for bool) is ``x`` exactly (``-0.0`` and NaN
+        included) and its gather cannot run before the exchange: inductor ordered a
+        gather first, which a peer's exchange met (a gloo abort instead of the error).
+        Eager the exchange has finished when the block ends: ``tensors`` as given."""
+        zero = self.exchanged
+        if zero is None:
+            return tensors
+        return tuple(_after(x, zero) for x in tensors)
 
     def settings(self, **values: object) -> None:
         """Settings (``name=value``) that must be the same on every rank: floats and 0-d
@@ -352,6 +367,16 @@ class Validation:
             slot = [_dtype_code(x.dtype), grad, len(dims), *dims]
             out[i * _SLOT : i * _SLOT + len(slot)] = slot
         return out
+
+
+def _after(x: Tensor | None, zero: Tensor) -> Tensor | None:
+    """``x`` exactly, computed after ``zero`` (a 0-d int64 zero; see
+    :meth:`Validation.ordered`)."""
+    if x is None:
+        return None
+    if x.dtype == torch.bool:  # bool has no subtraction
+        return x | zero.to(torch.bool)
+    return x - zero.to(x.device)  # a 0-d int64 keeps x's dtype
 
 
 def _crc(text: str) -> int:
@@ -544,7 +569,9 @@ def validate_together(
     when on, the header is built in the graph and the custom op
     ``contrastive_losses::rank_header`` exchanges and reads it eager at every call, raising
     what eager raises (and, the ranks compiled, unequal batch sizes: a compiled loss
-    exchanges none); a rank compiled while a peer runs eager raises on both. A static check
+    exchanges none); a rank compiled while a peer runs eager raises on both. What the
+    caller gathers after the block goes through :meth:`Validation.ordered`, so that no
+    compiler can issue the gather before the exchange. A static check
     that fails while dynamo traces with ``fullgraph`` makes this rank's exchange at trace
     time, so its peers raise its error. Calls are not numbered there.
 
@@ -634,7 +661,9 @@ def _validate_traced(
         try:
             yield
         finally:
-            _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
+            rows = _exchange_header(torch.zeros(_HEADER, dtype=torch.long, device=device))
+            # int64, exactly zero and read after the exchange (inductor folds `* 0` away)
+            v.exchanged = rows[0, 0] - rows[0, 0]
         return
     v.active = True
     v.settings(**dict(_OUTER_TRACED))
@@ -647,7 +676,7 @@ def _validate_traced(
         raise
     v.fingerprint.append(("gathered", ", ".join(n for n, _ in v.tensors)))
     header, meta = _traced_header(v, device, name, min_global)
-    torch.ops.contrastive_losses.rank_header(header, meta)
+    v.exchanged = torch.ops.contrastive_losses.rank_header(header, meta)
 
 
 def _traced_header(
@@ -838,7 +867,12 @@ def _raise_disagreement(
         raise ValueError(
             f"torch.compile: the loss runs compiled on some ranks only ({values}); under "
             "gather every rank must compile it or none: a compiled loss exchanges no batch "
-            "sizes and the ranks' collectives would not pair (every rank raises it)"
+            "sizes and the ranks' collectives would not pair. A rank whose code is compiled "
+            "also runs it eager when dynamo reaches its recompile limit (torch._dynamo."
+            f"config.{_compat.recompile_limit_name()}, default 8, counted per function; its "
+            "warning 'torch._dynamo hit config...' in that rank's log): raise the limit on "
+            "every rank or keep the shapes and settings that the loss sees fixed (every rank "
+            "raises it)"
         ) from error
     settings = [row[3 : 3 + _SETTING * _MAX_SETTINGS] for row in rows]
     if not _settings_agree(settings, dtypes=False):

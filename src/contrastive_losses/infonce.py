@@ -112,6 +112,7 @@ def info_nce(
             _agree_pair(v, audio, text, ids, reduction, chunk_size, normalize, settings)
     dtype = audio.dtype  # of the loss; half inputs are computed in float32
     a, t = widen(a), widen(t)
+    a, t, ids = v.ordered(a, t, ids)  # gathered only after the ranks' exchange
     if reduction == "mean" and ids is None and not enabled:
         if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
             mean_a2t, mean_t2a = _info_nce_means(a, t, scale)

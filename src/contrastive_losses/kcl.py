@@ -173,6 +173,7 @@ def kcl(
             normalize=normalize,
             mask_given=mask is not None,
         )
+    a, t_raw, m = v.ordered(a, t_raw, m)  # gathered only after the ranks' exchange
     # Single process, per-language negatives: normalise through the scores (fast path)
     # only where the checks read the norms and found them moderate: the unnormalised
     # scores t @ (a / tau).T overflow for a caption norm near the dtype's max (3.4e38

@@ -194,6 +194,7 @@ def siglip(
             _agree_pair(v, audio, text, ids, reduction, chunk_size, normalize, settings)
     dtype = audio.dtype  # of the loss; half inputs are computed in float32
     a, t = widen(a), widen(t)
+    a, t, ids = v.ordered(a, t, ids)  # gathered only after the ranks' exchange
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     chunk = _tile_width(chunk_size, t_all.shape[0])

@@ -159,6 +159,7 @@ def support_vector_term(
             normalize=normalize,
             mask_given=mask is not None,
         )
+    y, mask = v.ordered(y, mask)  # gathered only after the ranks' exchange
     y_all, offset = _gather(y, enabled, validate)
     m_all = None if mask is None else _gather_no_grad(mask, enabled, validate)
     r = r[None] if isinstance(r, Tensor) and r.dim() == 1 else r
