@@ -423,6 +423,32 @@ def test_module_bad_input():
         ASKLoss(kb)(a * float("nan"), t, ids)
 
 
+def test_module_reads_each_input_once(monkeypatch):
+    """An ASKLoss call reads the values of audio and text (NaN/Inf, zero rows: a host
+    sync each) once: the Module checks them, and ask, which it calls, does not again
+    (issue 49: audio went through the checks more than once a call)."""
+    from contrastive_losses import _checks
+
+    kb, _ = _bank()
+    a, t, ids = torch.randn(4, 8), torch.randn(4, 8), torch.arange(4)
+    read, check_row_norms = [], _checks.check_row_norms
+
+    def counted(x, name, *args, **kwargs):
+        read.append(name)
+        return check_row_norms(x, name, *args, **kwargs)
+
+    monkeypatch.setattr(_checks, "check_row_norms", counted)
+    loss = ASKLoss(kb, k=4)(a, t, ids)
+    assert torch.isfinite(loss)
+    assert (read.count("audio"), read.count("text")) == (1, 1), read
+    read.clear()  # the functional form checks its own inputs, once
+    knowledge = ASKLoss(kb, k=4).retrieve(a, t, ids)
+    ask(a, t, *(knowledge[f"{g}_{m}"] for g in ("fine", "coarse") for m in ("audio", "text")))
+    assert (read.count("audio"), read.count("text")) == (1, 1), read
+    with pytest.raises(TypeError, match="dtype"):  # the pair's dtypes: checked by the Module
+        ASKLoss(kb, k=4)(a, t.double(), ids)
+
+
 def test_function_bad_input():
     a, t, fa, ft, ca, ct = _batch(4, 3, 2, 1, seed=8)
     with pytest.raises(ValueError, match="fine_audio, fine_text"):

@@ -1,12 +1,14 @@
 """Machinery shared by the losses: input checks, the temperature floor, the local rows
-against the (gathered) global batch and their reduction, the ``terms`` dict, the
-temperature parameter of the Modules, and the radius checks SVR and the diagnostics share.
+against the (gathered) global batch and their reduction, the ``terms`` dict and the row
+mask. The Modules' settings and temperature are in :mod:`contrastive_losses._settings`,
+the InfoNCE rows in :mod:`contrastive_losses._nce_rows`, the radius checks in
+:mod:`contrastive_losses._svr_radius`.
 
 Private: each method's module (:mod:`~contrastive_losses.infonce`,
 :mod:`~contrastive_losses.siglip`, :mod:`~contrastive_losses.kcl`,
 :mod:`~contrastive_losses.cacl`, :mod:`~contrastive_losses.svr`) imports from here; the
-public names (:class:`ContrastivePair`, ``MIN_TEMPERATURE``, ``check_radius``) are
-re-exported by :mod:`contrastive_losses.losses` and :mod:`contrastive_losses.functional`.
+public names (:class:`ContrastivePair`, ``MIN_TEMPERATURE``) are re-exported by
+:mod:`contrastive_losses.losses` and :mod:`contrastive_losses.functional`.
 """
 
 from __future__ import annotations
@@ -15,22 +17,17 @@ import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checks, _compat
 from ._kernels import (
     _compute_dtype,
-    _TiledCrossEntropy,
-    _UpperClamp,
-    distinct_ids,
     l2_normalize,
 )
-from ._param_watch import ParameterWatch
-from ._warnings import told, warn_at_caller
+from ._warnings import warn_at_caller
 from .distributed import Validation, all_gather_no_grad, all_gather_with_grad
 
 Terms = dict[str, Tensor]
@@ -487,17 +484,6 @@ def _reduce(per_sample: Tensor, reduction: str, count: Tensor | int, batch: _Bat
     return total / count
 
 
-def _multi_positive_ce(logits: Tensor, positives: Tensor) -> Tensor:
-    r"""Per-row :math:`-\frac{1}{|P_i|}\sum_{p \in P_i} \log \mathrm{softmax}(z_i)_p`.
-
-    The supervised-contrastive "average outside the log" form: with one positive per row
-    it is plain cross-entropy.
-    """
-    log_prob = logits - logits.logsumexp(dim=1, keepdim=True)  # (b, N)
-    pos = positives.to(log_prob.dtype)
-    return -(log_prob * pos).sum(dim=1) / pos.sum(dim=1)
-
-
 def _tile_width(chunk_size: int | None, columns: int) -> int | None:
     """The column tile of a call with ``chunk_size`` over ``columns`` columns, ``None``
     for the dense path: no ``chunk_size``, or one tile covers every column. The tiled
@@ -505,31 +491,6 @@ def _tile_width(chunk_size: int | None, columns: int) -> int | None:
     loop (2-3x the dense path at ``B = 32``); the values and gradients are the same to
     rounding."""
     return chunk_size if chunk_size is not None and chunk_size < columns else None
-
-
-# From this batch size on, info_nce's one-process mean takes the t->a term from a
-# log-softmax down the logits' columns: the cross-entropy of the transposed logits (a
-# strided view) cost 1.28x open_clip's two-matmul maths at B = 1024, D = 64 (its gradient
-# reached the logits transposed, whose strided sum took a third of the step); 0.93x this
-# way. Below it the transposed view's one fused call is cheaper (0.84x against 0.95x at
-# B = 32; the maths alone, forward and backward, one CPU thread).
-_COLUMN_SOFTMAX_MIN = 128
-
-
-def _info_nce_means(a: Tensor, t: Tensor, scale: float | Tensor) -> tuple[Tensor, Tensor]:
-    """The mean a->t and t->a cross-entropies of one process's ``(B, D)`` batch without
-    ids, dense: :func:`_info_nce_rows` reduced by ``"mean"``, in two fused
-    ``F.cross_entropy`` calls (open_clip's ops) instead of per-sample losses and five
-    reductions: at ``B = 32`` those cost a quarter of the loss's forward and backward.
-    From :data:`_COLUMN_SOFTMAX_MIN` rows on the t->a mean is the diagonal's mean of the
-    log-softmax down the columns, the same value and gradients to rounding."""
-    a = a * scale  # the (B, D) side, not the (B, B) logits; as in _info_nce_rows
-    logits = a @ t.T  # (B, B)
-    b = a.shape[0]
-    target = _cpu_constant(("labels", b), a, lambda: torch.arange(b, device=a.device))
-    if b < _COLUMN_SOFTMAX_MIN:
-        return F.cross_entropy(logits, target), F.cross_entropy(logits.T, target)
-    return F.cross_entropy(logits, target), -F.log_softmax(logits, dim=0).diagonal().mean()
 
 
 # Small constant tensors a dense one-process call rebuilds each time (the labels 0..B-1,
@@ -557,75 +518,6 @@ def _cpu_constant(key: tuple[object, ...], ref: Tensor, make: Callable[[], Tenso
             _CONSTANTS.clear()
         _CONSTANTS[key] = value
     return value
-
-
-def _info_nce_rows(
-    a: Tensor,
-    t: Tensor,
-    scale: float | Tensor,
-    ids: Tensor | None,
-    gather: bool,
-    chunk_size: int | None = None,
-    validate: bool = True,
-) -> tuple[Tensor, Tensor, _Batch]:
-    """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each, of
-    the logits ``scale * a @ t.T`` (:func:`_resolve_scale`); tiled when ``chunk_size`` is
-    below the global batch (:func:`_tile_width`)."""
-    b = a.shape[0]
-    # Scale the (b, D) side, not the (b, N) logits, by a multiplication in a's dtype, as
-    # open_clip's logit_scale * x @ y.T: a half-precision scale with float32 features
-    # is taken exactly, and its gradient is a sum of products (a reciprocal's gradient,
-    # -g/s**2, overflowed for tiny scales and for float16 features of norm 30).
-    a = a * scale
-    t_all, offset = _gather(t, gather, validate)  # (N, D)
-    chunk = _tile_width(chunk_size, t_all.shape[0])
-    if chunk is not None:
-        return _tiled_info_nce_rows(a, t_all, offset, ids, gather, chunk, validate)
-    if not gather:
-        logits = a @ t.T  # (B, B)
-        if ids is None:
-            target = torch.arange(b, device=a.device)
-            a2t = F.cross_entropy(logits, target, reduction="none")
-            t2a = F.cross_entropy(logits.T, target, reduction="none")
-        else:
-            same = ids[:, None] == ids[None, :]  # (B, B), symmetric
-            a2t = _multi_positive_ce(logits, same)
-            t2a = _multi_positive_ce(logits.T, same)
-        return a2t, t2a, _batch(0, b, False)
-
-    a_all, _ = _gather(a, True, validate)  # (N, D)
-    logits_a2t = a @ t_all.T  # (b, N)
-    logits_t2a = t @ a_all.T  # (b, N)
-    if ids is None:
-        target = torch.arange(offset, offset + b, device=a.device)
-        a2t = F.cross_entropy(logits_a2t, target, reduction="none")
-        t2a = F.cross_entropy(logits_t2a, target, reduction="none")
-    else:
-        same = ids[:, None] == _gather_no_grad(ids, True, validate)[None, :]  # (b, N)
-        a2t = _multi_positive_ce(logits_a2t, same)
-        t2a = _multi_positive_ce(logits_t2a, same)
-    return a2t, t2a, _batch(offset, a_all.shape[0], True)
-
-
-def _tiled_info_nce_rows(
-    a: Tensor,
-    t_all: Tensor,
-    offset: int,
-    ids: Tensor | None,
-    gather: bool,
-    chunk_size: int,
-    validate: bool,
-) -> tuple[Tensor, Tensor, _Batch]:
-    """:func:`_info_nce_rows` over column tiles: this rank's audio rows against every
-    rank's text ``t_all`` (gathered, this rank's from ``offset``), the text columns'
-    log-sum-exp completed across ranks in the kernel, so only the text is gathered and no
-    ``(b, N)`` logits exist."""
-    b = a.shape[0]
-    col_ids = None if ids is None else distinct_ids(ids, _gather_no_grad(ids, gather, validate))
-    a2t, t2a = _TiledCrossEntropy.apply(
-        a, t_all[None], offset, ids, col_ids, None, None, chunk_size, (offset, offset + b), gather
-    )
-    return a2t[0], t2a[0], _batch(offset, t_all.shape[0], gather)
 
 
 def _finish(
@@ -656,284 +548,6 @@ class ContrastivePair(NamedTuple):
     audio: Tensor
     text: Tensor
     mask: Tensor | None = None
-
-
-class _LossSettings(nn.Module):
-    """The settings every loss Module holds and passes to its functional form."""
-
-    def _init_settings(
-        self,
-        normalize: bool,
-        reduction: str,
-        gather: bool | None,
-        chunk_size: int | None,
-        validate_args: bool | None,
-    ) -> None:
-        """Check and keep the settings."""
-        _checks.check_reduction(reduction)
-        _checks.resolve_validate(validate_args)  # the type
-        self.normalize = normalize
-        self.reduction = reduction
-        self.gather = gather
-        self.chunk_size = _checks.check_chunk_size(chunk_size)
-        self.validate_args = validate_args
-
-    def _settings_repr(self) -> str:
-        """The settings for :meth:`extra_repr`, as keyword arguments."""
-        return ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
-
-    def _settings(self) -> dict[str, Any]:
-        """The keyword arguments of the functional forms that these settings fill."""
-        return {
-            "normalize": self.normalize,
-            "reduction": self.reduction,
-            "gather": self.gather,
-            "chunk_size": self.chunk_size,
-            "validate_args": self.validate_args,
-        }
-
-
-class _TemperatureMixin(_LossSettings):
-    """Fixed or learnable temperature; learnable as a log logit scale clamped at
-    ``max_logit_scale`` (CLIP's 100), so the temperature never falls below 1/100."""
-
-    def _init_temperature(
-        self, temperature: float, learnable: bool, max_logit_scale: float
-    ) -> None:
-        _refuse_trainable(temperature, "temperature", "learnable_temperature=True")
-        _checks.check_positive(temperature, "temperature")
-        _warn_logit_scale_habit(float(temperature))
-        _checks.check_positive(max_logit_scale, "max_logit_scale")
-        if max_logit_scale > 1.0 / MIN_TEMPERATURE:
-            raise ValueError(
-                f"max_logit_scale: {max_logit_scale:g} exceeds 1/{MIN_TEMPERATURE:g}, "
-                "the smallest temperature the losses accept"
-            )
-        if temperature * max_logit_scale < 1 - 1e-6:  # the bound itself is fine
-            raise ValueError(
-                f"temperature: {temperature:g} is below 1/max_logit_scale = "
-                f"{1.0 / max_logit_scale:g}, where it would be clamped; raise max_logit_scale"
-            )
-        self.learnable_temperature = learnable
-        self.max_logit_scale = float(max_logit_scale)
-        log_scale = torch.tensor(math.log(1.0 / temperature))
-        self._watch = ParameterWatch(
-            f"{type(self).__name__}: the learnable {{what}} ({{names}}) got gradients in "
-            "{steps} optimizer steps that did not hold it and never changed from its "
-            "initial value, so the loss trains at a fixed temperature. Are the loss's "
-            "parameters in the optimizer? Pass them with the model's, e.g. "
-            "torch.optim.AdamW([*model.parameters(), *loss_fn.parameters()]), or build it "
-            "with learnable_temperature=False"
-        )
-        if learnable:
-            self.log_logit_scale = nn.Parameter(log_scale)
-            self._watch.arm(self, [self.log_logit_scale], ["temperature"])
-        else:
-            # The value used is the Python float, exact in every input dtype; the buffer
-            # (float32, as checkpoints hold it) follows it, and a new value written into
-            # the buffer (load_state_dict, fill_) is adopted (_fixed_value).
-            self.register_buffer("log_logit_scale", log_scale)
-            self._fixed = float(temperature)
-            self._fixed_stamp = _stamp(log_scale)
-
-    #: Optimizer steps, each after a gradient in training mode, that do not hold a
-    #: learnable temperature, after which one that never changed is reported.
-    stuck_after: int = 50
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy or an unpickled loss watches its own temperature parameter."""
-        super().__setstate__(state)
-        if getattr(self, "learnable_temperature", False):
-            self._watch.arm(self, [self.log_logit_scale], ["temperature"])
-
-    def _fixed_value(self) -> float:
-        """The fixed temperature as a Python float: the value given, unless the buffer
-        has since been given another (then that one, within ``max_logit_scale``; one host
-        read per change, noticed by the buffer's identity and version counter, in eager
-        mode only)."""
-        buffer = self.log_logit_scale
-        if _compat.is_compiling() or _stamp(buffer) == self._fixed_stamp:
-            return self._fixed
-        log = _written_value(buffer, math.log(1.0 / self._fixed))
-        if log is not None:
-            self._fixed = 1.0 / math.exp(min(log, math.log(self.max_logit_scale)))
-        self._fixed_stamp = _stamp(buffer)
-        return self._fixed
-
-    def _loss(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        return_terms: bool,
-        logit_scale: Tensor | None = None,
-        **kwargs: Any,
-    ) -> Tensor | tuple[Tensor, Terms]:
-        """``fn(*args, temperature, ...)`` with this Module's settings, or
-        ``fn(*args, logit_scale=...)`` with the model's scale; ``terms`` also get the
-        temperature used. A fixed temperature goes as the Python float (exact)."""
-        settings = {**self._settings(), **kwargs, "return_terms": return_terms}
-        if logit_scale is None:
-            if self.learnable_temperature:
-                self._watch.rearm(self, [self.log_logit_scale], ["temperature"])
-                temperature: float | Tensor = self.temperature
-            else:
-                temperature = self._fixed_value()
-            if _habit_told(temperature):  # warned when built: once, at the user's line
-                with told(TEMPERATURE_HABIT):
-                    out = fn(*args, temperature, **settings)
-            else:
-                out = fn(*args, temperature, **settings)
-            if not return_terms:
-                return out
-            used = temperature if isinstance(temperature, Tensor) else self.temperature
-            return _with_terms(out, return_terms, temperature=used)
-        self._refuse_logit_scale()
-        out = fn(*args, logit_scale=logit_scale, **settings)
-        if not return_terms:
-            return out
-        return _with_terms(out, return_terms, temperature=1.0 / logit_scale.detach())
-
-    def _refuse_logit_scale(self) -> None:
-        """The model's scale and this Module's own learnable temperature exclude each other."""
-        if self.learnable_temperature:
-            raise ValueError(
-                f"logit_scale: {type(self).__name__}(learnable_temperature=True) learns its "
-                "own temperature; with the model's scale (logit_scale=...) build it with "
-                "learnable_temperature=False"
-            )
-
-    def extra_repr(self) -> str:
-        """The temperature (its current value; learnable or fixed) and the settings."""
-        return ", ".join([self._temperature_repr(), *self._extra_settings(), self._settings_repr()])
-
-    def _extra_settings(self) -> list[str]:
-        """The Module's own settings for :meth:`extra_repr` (``negatives=...``)."""
-        return []
-
-    def _temperature_repr(self) -> str:
-        """``temperature=0.07`` or ``temperature=0.07, learnable_temperature=True,
-        max_logit_scale=100.0`` (the current value of a learnable one)."""
-        value = f"temperature={_scalar_repr(self.temperature)}"
-        if self.learnable_temperature:
-            value += f", learnable_temperature=True, max_logit_scale={self.max_logit_scale!r}"
-        return value
-
-    @property
-    def temperature(self) -> Tensor:
-        r"""Current temperature :math:`\tau` as a 0-d tensor (differentiable if learnable;
-        a fixed one in the buffer's dtype and on its device)."""
-        if not self.learnable_temperature:
-            buffer = self.log_logit_scale
-            # A fill, not torch.tensor(value, device=...): no host-to-device copy (a sync).
-            return buffer.new_full((), self._fixed_value())
-        log_bound = math.log(self.max_logit_scale)
-        return 1.0 / _UpperClamp.apply(self.log_logit_scale, log_bound).exp()
-
-
-def _written_value(buffer: Tensor, kept: float) -> float | None:
-    """The value of a float32 buffer that mirrors a Python float (``kept``, as the buffer
-    stores it), when another value was written into it since; ``None`` when it holds
-    ``kept`` once both are rounded to the buffer's dtype or to float32, the dtype it was
-    made in (``.double()`` upcasts the rounded value: 0.05 reads back as 0.0500000007),
-    or on the meta device. One host read."""
-    if buffer.device.type == "meta":
-        return None
-    coarse = buffer.dtype
-    if torch.finfo(coarse).eps < torch.finfo(torch.float32).eps:
-        coarse = torch.float32
-    value = float(buffer.detach())
-    if torch.tensor(value, dtype=coarse) != torch.tensor(kept, dtype=coarse):
-        return value
-    return None
-
-
-def _habit_told(temperature: float | Tensor) -> bool:
-    """Whether a Module's fixed float ``temperature`` warned when the Module was built
-    (:func:`_warn_logit_scale_habit`), so its calls must not warn again; never read
-    while ``torch.compile`` traces (no guard on the value)."""
-    if _compat.is_compiling() or isinstance(temperature, Tensor):
-        return False
-    return temperature * MIN_PLAUSIBLE_SCALE > 1
-
-
-def _stamp(buffer: Tensor) -> tuple[int, int]:
-    """A tensor's identity and version counter (bumped by every in-place write: ``fill_``,
-    ``copy_`` in ``load_state_dict``); inference tensors have no counter (-1)."""
-    return id(buffer), -1 if buffer.is_inference() else buffer._version
-
-
-def _refuse_trainable(value: object, name: str, instead: str) -> None:
-    """A tensor that requires grad, passed where the Module keeps a copy of its value, would
-    be frozen silently: refuse it and say how to learn it (``instead``) or pass the model's
-    scale per call."""
-    if isinstance(value, Tensor) and value.requires_grad:
-        raise TypeError(
-            f"{name}: got a tensor that requires grad; the Module keeps a copy of its value, "
-            f"so it would never be trained. To learn it in the loss pass a float and "
-            f"{instead}; to keep it in your model pass it per call: "
-            "loss_fn(audio, text, logit_scale=1 / temperature) (or model.logit_scale.exp())"
-        )
-
-
-def _scalar_repr(x: Tensor | float) -> str:
-    """A 0-d tensor's value for a repr (4 significant digits), without reading a tensor
-    that holds no value (meta device)."""
-    if isinstance(x, Tensor):
-        if x.device.type == "meta":
-            return "<meta>"
-        x = float(x.detach())
-    return f"{x:.4g}"
-
-
-def _with_terms(
-    out: Tensor | tuple[Tensor, dict[str, Tensor]], return_terms: bool, **extra: Tensor
-) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-    """Add Module-level values (the current temperature) to the functional's terms."""
-    if not return_terms:
-        return out
-    loss, terms = out
-    terms.update({k: v.detach() for k, v in extra.items()})
-    return loss, terms
-
-
-# The radius is a distance in the embedding space, where normalised embeddings are at most
-# 2 apart. Up to 1e4 the support vector's logits (about R/temperature <= 1e8 at the 1e-4
-# temperature floor) stay finite in float32; 1e40 is inf in float32 and gave NaN.
-MAX_RADIUS = 1e4
-
-
-def check_radius(value: float, name: str = "radius") -> float:
-    """A finite float radius with ``|value| <= MAX_RADIUS``; returns it."""
-    if value != value or abs(value) > MAX_RADIUS:
-        raise ValueError(
-            f"{name}: must be finite with |{name}| <= {MAX_RADIUS:g} (a distance in the "
-            f"embedding space; unit embeddings are at most 2 apart), got {value}"
-        )
-    return float(value)
-
-
-def _radius_tensor(radius: object, b: int, ref: Tensor, validate: bool = True) -> Tensor | float:
-    """A float radius (checked) or a 0-d or ``(b,)`` tensor on ``ref``'s device, cast to
-    its dtype; the bound on a tensor's values with ``validate`` only."""
-    if isinstance(radius, Tensor):
-        if radius.dim() > 1 or (radius.dim() == 1 and radius.shape[0] != b):
-            raise ValueError(
-                f"radius: expected a float, a 0-d tensor or shape ({b},) matching the "
-                f"anchors, got shape {_checks.shape_of(radius)}"
-            )
-        _checks.check_float(radius, "radius")
-        _checks.check_materialised(radius, "radius")
-        if radius.device != ref.device:
-            raise ValueError(f"radius: on device {radius.device} but anchor is on {ref.device}")
-        if validate:
-            peak = radius.detach().abs().amax() if radius.numel() else radius.new_zeros(())
-            if not bool(peak <= MAX_RADIUS):  # False for NaN: one sync for NaN, Inf, the bound
-                _checks.check_finite(radius, "radius")
-                check_radius(float(peak))
-        return radius.to(ref.dtype)
-    if isinstance(radius, bool) or not isinstance(radius, (int, float)):
-        raise TypeError(f"radius: expected a float or a tensor, got {type(radius).__name__}")
-    return check_radius(radius)
 
 
 def _check_row_mask(mask: object, b: int, ref: Tensor) -> Tensor:

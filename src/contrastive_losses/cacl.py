@@ -20,15 +20,15 @@ from ._common import (
     _check_pair,
     _embeddings,
     _finish,
-    _info_nce_rows,
     _logit_range,
     _reduce,
     _resolve_scale,
     _scale_setting,
-    _TemperatureMixin,
 )
 from ._docs import init_doc
 from ._kernels import widen
+from ._nce_rows import _info_nce_rows
+from ._settings import _TemperatureMixin
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["CACLLoss", "cacl", "sample_languages"]

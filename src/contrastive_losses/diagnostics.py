@@ -24,7 +24,8 @@ from torch import Tensor
 
 from . import _checks
 from ._checks import _shape, check_choice, check_embeddings, check_float, check_tensor
-from ._common import _check_pair, _check_row_mask, _embeddings, _radius_tensor, _temperature
+from ._common import _check_pair, _check_row_mask, _embeddings, _temperature
+from ._svr_radius import _radius_tensor
 
 __all__ = [
     "Forces",

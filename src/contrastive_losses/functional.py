@@ -22,12 +22,13 @@ Notation: ``B`` batch, ``K`` languages (captions per clip), ``D`` embedding dim,
 
 from __future__ import annotations
 
-# Importable from here as before, outside __all__: the bounds, the radius check, Terms.
-from ._common import MAX_RADIUS as MAX_RADIUS
+# MAX_RADIUS, MIN_TEMPERATURE, check_radius and Terms are importable from here as before,
+# outside __all__.
 from ._common import MIN_TEMPERATURE as MIN_TEMPERATURE
 from ._common import Terms as Terms
-from ._common import check_radius as check_radius
 from ._kernels import l2_normalize
+from ._svr_radius import MAX_RADIUS as MAX_RADIUS
+from ._svr_radius import check_radius as check_radius
 from .ask import ask
 from .cacl import cacl, sample_languages
 from .infonce import info_nce

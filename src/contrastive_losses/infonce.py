@@ -16,19 +16,18 @@ from ._common import (
     Terms,
     _agree_pair,
     _finish,
-    _info_nce_means,
-    _info_nce_rows,
     _logit_range,
     _narrow,
     _pair_and_ids,
     _reduce,
     _resolve_scale,
     _scale_setting,
-    _TemperatureMixin,
     _tile_width,
 )
 from ._docs import init_doc
 from ._kernels import widen
+from ._nce_rows import _info_nce_means, _info_nce_rows
+from ._settings import _TemperatureMixin
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["InfoNCELoss", "info_nce"]

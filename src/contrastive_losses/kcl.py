@@ -27,11 +27,9 @@ from ._common import (
     _gather,
     _gather_no_grad,
     _logit_range,
-    _multi_positive_ce,
     _reduce,
     _resolve_scale,
     _scale_setting,
-    _TemperatureMixin,
 )
 from ._docs import init_doc
 from ._kernels import (
@@ -43,6 +41,8 @@ from ._kernels import (
     l2_normalize,
     widen,
 )
+from ._nce_rows import _multi_positive_ce
+from ._settings import _TemperatureMixin
 from .distributed import counted_call, resolve_gather, validate_together
 
 __all__ = ["KCLLoss", "kcl"]

@@ -29,18 +29,16 @@ from ._common import (
     _gather,
     _gather_no_grad,
     _logit_range,
-    _LossSettings,
     _narrow,
     _pair_and_ids,
     _reduce,
-    _refuse_trainable,
-    _scalar_repr,
     _tile_width,
     _value_dtype,
 )
 from ._docs import init_doc
 from ._kernels import _TiledSigmoid, distinct_ids, widen
 from ._param_watch import ParameterWatch
+from ._settings import _LossSettings, _refuse_trainable, _scalar_repr
 from ._warnings import warn_at_caller
 from .distributed import counted_call, resolve_gather, validate_together
 

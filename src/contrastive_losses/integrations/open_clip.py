@@ -41,8 +41,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _checks
-from .._common import _check_logit_scale, _LossSettings
+from .._common import _check_logit_scale
 from .._docs import init_doc
+from .._settings import _LossSettings
 from ..distributed import counted_call, is_distributed, outer_settings, validate_together
 from ..infonce import InfoNCELoss, info_nce
 from ..siglip import SigLIPLoss, siglip
