@@ -69,8 +69,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     """The global pre-step hook: give ``optimizer`` :func:`_stepped` as its own post-step
     hook, once. It touches no registry torch is iterating (the optimizer's post-step
     hooks run after the global pre-step hooks)."""
-    hooks = optimizer._optimizer_step_post_hooks
-    if _stepped in hooks.values():  # every step after the first: one scan of a few hooks
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)  # (no base __init__)
+    if hooks is None or _stepped in hooks.values():  # one scan of a few hooks per step
         return
     with _lock:  # (two threads stepping one optimizer register it once)
         if _stepped not in hooks.values():
