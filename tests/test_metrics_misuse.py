@@ -326,3 +326,17 @@ def test_collapsed_embeddings_warn_about_ties_not_distances():
         warnings.simplefilter("always")
         audio_text_retrieval(audio, text)
     assert _below_chance(record) == []
+
+
+def test_chance_of_a_relevant_item_in_the_top_m_is_the_hypergeometric_one():
+    """The per-query chance the warning sums: 1 - C(G - n, m) / C(G, m) for n relevant
+    items, m / G for one, 1 where the relevant items cannot all fall outside the top m."""
+    import math
+
+    from contrastive_losses.metrics import _chance_in_top
+
+    n_relevant = torch.tensor([1, 2, 5, 7, 10])
+    got = _chance_in_top(n_relevant, 12, 6).tolist()
+    want = [1 - math.comb(12 - n, 6) / math.comb(12, 6) for n in n_relevant.tolist()]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got[0] == pytest.approx(6 / 12) and got[-1] == 1.0
