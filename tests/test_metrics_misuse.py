@@ -230,3 +230,113 @@ def test_kcl_says_masked_out_captions_must_be_finite():
     assert "must still be finite" in str(err.value) and "masked_fill" in str(err.value)
     ok = KCLLoss()(audio, text.masked_fill(~mask[..., None], 0), mask=mask)  # the fix works
     assert torch.isfinite(ok)
+
+
+# ------------------------------------------------- far below chance (issue 48 item 7)
+
+
+def _paired(n: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Audio (n, D) and captions (n, D) that retrieve well (text i is audio i plus noise)."""
+    g = torch.Generator().manual_seed(seed)
+    audio = torch.randn(n, D, generator=g)
+    return audio, audio + 0.8 * torch.randn(n, D, generator=g)
+
+
+def _below_chance(record) -> list[str]:
+    return [str(w.message) for w in record if "far below chance" in str(w.message)]
+
+
+@pytest.mark.parametrize("fn", SIM_FUNCTIONS)
+def test_distances_passed_as_similarities_warn_and_name_the_fix(fn):
+    """``recall_at_k(torch.cdist(text, audio))`` ranks every caption's audio near the end:
+    R@1 = 0 where the similarities give most right. It warns, naming distances and
+    ``-distances``; the negated distances give the right numbers and no warning."""
+    audio, text = _paired(N)
+    distances = torch.cdist(text, audio)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fn(distances)
+    (message,) = _below_chance(record)
+    assert "distance matrix" in message and "-distances" in message
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fn(-distances)
+    assert _below_chance(record) == []
+    assert recall_at_k(-distances, k=1) > 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (told once per line: above, for the first fn)
+        assert recall_at_k(distances, k=1) == 0.0
+
+
+def test_a2t_distances_with_several_relevant_items_warn():
+    """A2T, every caption of a clip relevant (gallery ids): distances still warn."""
+    g = torch.Generator().manual_seed(3)
+    audio = torch.randn(N, D, generator=g)
+    text = (audio[:, None] + 0.8 * torch.randn(N, 5, D, generator=g)).reshape(N * 5, D)
+    ids = torch.arange(N).repeat_interleave(5)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        recall_at_k(torch.cdist(audio, text), gallery_ids=ids, k=(1, 5, 10))
+        recall_at_k(-torch.cdist(audio, text), gallery_ids=ids, k=(1, 5, 10))
+    assert len(_below_chance(record)) == 1
+
+
+@pytest.mark.parametrize(("n", "warns"), [(26, False), (27, True)])
+def test_below_chance_warns_only_where_the_sizes_can_tell(n, warns):
+    """The worst ranking of ``n`` paired items: no query has its item in the top
+    ``ceil(n / 2)``, where a random ranking puts ``ceil(n / 2)`` on average; the
+    Chernoff bound ``exp(-ceil(n / 2))`` falls below 1e-6 (``ceil(n / 2) > ln 1e6 =
+    13.8``) from n = 27 on (ceil(27 / 2) = 14), not at 26 (13)."""
+    sim = -torch.arange(n * n, dtype=torch.float32).reshape(n, n)
+    sim = sim - 1e6 * torch.eye(n)  # every relevant item scored last, no ties
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert int(retrieval_ranks(sim).min()) == n
+    assert len(_below_chance(record)) == (1 if warns else 0)
+
+
+def test_random_scores_never_warn_below_chance():
+    """Random rankings, small to large galleries, one or several relevant items: a
+    random ranking warns with probability below 1e-6, so none of these does."""
+    g = torch.Generator().manual_seed(4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for n_q, n_g in [(2, 2), (30, 2), (40, 40), (200, 50), (50, 400)]:
+            for _ in range(20):
+                sim = torch.randn(n_q, n_g, generator=g)
+                recall_at_k(sim, query_ids=torch.arange(n_q) % n_g, k=1)
+                relevance = torch.rand(n_q, n_g, generator=g) < 0.1
+                relevance[:, 0] = True
+                map_at_k(sim, relevance, k=1)
+    assert _below_chance(record) == []
+
+
+def test_collapsed_embeddings_warn_about_ties_not_distances():
+    """All scores equal (collapsed embeddings): ties count against the query, every rank
+    is the last; the warning names ties, not distances, from a matrix or embeddings."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        recall_at_k(torch.ones(N, N), k=1)
+        audio_text_retrieval(torch.ones(N, D), torch.ones(N, D))
+    messages = _below_chance(record)
+    assert len(messages) == 3  # the matrix, then T2A and A2T of the embeddings
+    assert all("collapsed" in m and "distance" not in m for m in messages)
+    audio, text = _paired(N)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        audio_text_retrieval(audio, text)
+    assert _below_chance(record) == []
+
+
+def test_chance_of_a_relevant_item_in_the_top_m_is_the_hypergeometric_one():
+    """The per-query chance the warning sums: 1 - C(G - n, m) / C(G, m) for n relevant
+    items, m / G for one, 1 where the relevant items cannot all fall outside the top m."""
+    import math
+
+    from contrastive_losses.metrics import _chance_in_top
+
+    n_relevant = torch.tensor([1, 2, 5, 7, 10])
+    got = _chance_in_top(n_relevant, 12, 6).tolist()
+    want = [1 - math.comb(12 - n, 6) / math.comb(12, 6) for n in n_relevant.tolist()]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got[0] == pytest.approx(6 / 12) and got[-1] == 1.0

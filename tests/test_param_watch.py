@@ -305,10 +305,11 @@ def test_threads_training_their_own_losses_side_by_side():
     rounds (some in the optimizer, some left out), a user's global hook after the
     library's: no step raises, and a loss in its thread's optimizer trains."""
     import threading
+    import traceback
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    errors: list[BaseException] = []
+    errors: list[str] = []
     trained: list[bool] = []
 
     def work(seed: int) -> None:
@@ -332,8 +333,8 @@ def test_threads_training_their_own_losses_side_by_side():
                             for p, q in zip(loss_fn.parameters(), before, strict=True)
                         )
                     )
-        except BaseException as error:  # reported by the test
-            errors.append(error)
+        except BaseException:  # reported by the test, with where it was raised
+            errors.append(traceback.format_exc())
 
     # (a global hook registered while other threads step would race in torch itself)
     calls: list[object] = []
@@ -348,7 +349,8 @@ def test_threads_training_their_own_losses_side_by_side():
                 thread.join()
     finally:
         handle.remove()
-    assert errors == []
+    if errors:
+        pytest.fail(f"{len(errors)} worker(s) failed:\n" + "\n".join(errors), pytrace=False)
     assert len(calls) == 8 * 12 * 5  # the user's hook ran at every step
     assert len(trained) == 48 and all(trained)
 
@@ -404,7 +406,101 @@ def test_undecided_losses_alive_cost_one_listener_call_per_step(monkeypatch):
     assert len(calls) == 5
     ours = [
         h
-        for h in torch_optimizer._global_optimizer_post_hooks.values()
-        if h is _optimizer_steps._stepped
+        for h in torch_optimizer._global_optimizer_pre_hooks.values()
+        if h is _optimizer_steps._before_step
     ]
     assert len(ours) == 1
+    assert _optimizer_steps._stepped not in torch_optimizer._global_optimizer_post_hooks.values()
+    assert list(opt._optimizer_step_post_hooks.values()).count(_optimizer_steps._stepped) == 1
+
+
+def test_a_global_hook_registered_while_the_checks_run_in_another_thread(monkeypatch):
+    """Issue 48: a thread registers its own global post-step hook while another thread's
+    ``optimizer.step()`` is inside the library's checks (held there on purpose). The
+    checks run in that optimizer's own hooks, before torch iterates the global
+    registry, so the step does not raise ``OrderedDict mutated during iteration`` (it
+    did, whenever the library's global hook came before someone else's)."""
+    import threading
+    import traceback
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from contrastive_losses import _param_watch
+
+    loss_fn = InfoNCELoss(0.07, learnable_temperature=True)  # left out: the table listens
+    enc = nn.Linear(D, 4)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.1)
+    calls: list[object] = []
+    user = register_optimizer_step_post_hook(lambda o, args, kw: calls.append(o))
+    entered, go = threading.Event(), threading.Event()
+    original = _param_watch._Table._optimizer_stepped
+
+    def held_inside_the_checks(self, optimizer):
+        entered.set()
+        go.wait(timeout=120)
+        return original(self, optimizer)
+
+    monkeypatch.setattr(_param_watch._Table, "_optimizer_stepped", held_inside_the_checks)
+    errors: list[str] = []
+
+    def step() -> None:
+        try:
+            a, t = _batch(0)
+            loss_fn(enc(a), enc(t)).backward()
+            opt.step()
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    thread = threading.Thread(target=step)
+    try:
+        thread.start()
+        assert entered.wait(timeout=120), "the step never reached the checks"
+        other = register_optimizer_step_post_hook(lambda o, args, kw: None)
+        go.set()
+        thread.join(timeout=120)
+        other.remove()
+    finally:
+        go.set()
+        user.remove()
+    if errors:
+        pytest.fail("the step failed:\n" + "\n".join(errors), pytrace=False)
+    assert calls == [opt]  # the user's hook ran after the checks
+
+
+def test_losses_built_and_trained_leave_torchs_global_hooks_alone():
+    """The library's one global hook, a pre-step hook, is registered when it is imported;
+    building and training losses (each learner, in and out of the optimizer) neither
+    adds nor removes a global hook (another thread may be iterating them)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    from contrastive_losses import _optimizer_steps
+
+    pre = torch_optimizer._global_optimizer_pre_hooks
+    post = torch_optimizer._global_optimizer_post_hooks
+    assert list(pre.values()).count(_optimizer_steps._before_step) == 1
+    before = (list(pre.items()), list(post.items()))
+    for name in LEARNERS:
+        for groups in (_all, _model_only):
+            loss_fn = LEARNERS[name]()
+            loss_fn.stuck_after = 2
+            _loop(loss_fn, 3, groups)
+    assert (list(pre.items()), list(post.items())) == before
+
+
+def test_a_gradient_noted_as_another_thread_decides_the_watch_is_dropped():
+    """Issue 48: a thread's gradient hook passed its checks, then another thread's step
+    decided the watch (its lists cleared) before the hook noted the gradient: the next
+    step drops the note instead of raising ``IndexError`` inside ``optimizer.step()``;
+    a hook left from an earlier arm (an index the watch no longer has) is ignored."""
+    from contrastive_losses import _param_watch
+
+    loss_fn = InfoNCELoss(0.07, learnable_temperature=True)
+    (param,) = loss_fn.parameters()
+    watch = loss_fn._watch
+    watch._gradient(3, param)  # no parameter 3 (any more): ignored
+    watch._finish()  # decided by another thread's step...
+    _param_watch._TABLE.fresh_gradient(watch, 0, param)  # ...as this hook noted it
+    opt = torch.optim.SGD(loss_fn.parameters(), lr=0.1)
+    param.grad = torch.ones_like(param)
+    opt.step()
+    assert id(param) not in _param_watch._TABLE.undecided

@@ -144,7 +144,54 @@ def test_scale_from_a_parameter_initialised_with_the_temperature_warns():
     assert "logit_scale=1.073" in message and "math.log(1 / 0.07)" in message
     assert record[0].filename == __file__
     assert record[0].lineno == calls.__code__.co_firstlineno + 2
-    assert _only(_recorded(lambda: CF.info_nce(a, t, logit_scale=torch.tensor(2.0))), "below") == []
+    quiet = _recorded(lambda: CF.info_nce(a, t, logit_scale=torch.tensor(2.0)))
+    assert _only(quiet, "is below 2") == []
+
+
+# each call line warns once per session: one log-scale per loss (CLIP's initial one, SigLIP's
+# log 10, the largest, log 100)
+LOG_SCALES = {
+    "InfoNCELoss": math.log(1 / 0.07),
+    "KCLLoss": math.log(100.0),
+    "info_nce": math.log(1 / 0.07),
+    "siglip": math.log(10.0),
+    "SVR": math.log(1 / 0.07),
+    "open_clip ClipLoss": math.log(1 / 0.07),
+    "open_clip SigLipLoss": math.log(10.0),
+}
+
+
+@pytest.mark.parametrize("name", list(LOG_SCALES))
+def test_a_log_scale_passed_without_exp_warns_naming_exp(name):
+    """Issue 48: open_clip's log-scale detached from its Parameter (``log(1/0.07)`` =
+    2.66, SigLIP's ``log 10`` = 2.30) is no ``nn.Parameter``, so it escaped the raw
+    Parameter warning and scaled the logits by 2.66 instead of 14.3. One warning over
+    three calls from one line, at the caller's line, naming ``.exp()`` and the scale the
+    log stands for."""
+    a, t = _pair()
+    call, log_scale = RAW_CALLS[name], torch.tensor(LOG_SCALES[name])
+
+    def calls():
+        for _ in range(3):
+            call(a, t, log_scale)
+
+    record = _only(_recorded(calls), "looks like the log of the scale")
+    assert len(record) == 1, [str(w.message) for w in record]
+    message = str(record[0].message)
+    assert "logit_scale=model.logit_scale.exp()" in message
+    assert f"instead of {math.exp(LOG_SCALES[name]):.3g}" in message
+    _assert_points_at(record[0], call)
+
+
+def test_a_scale_of_five_or_more_or_a_temperature_setting_is_quiet():
+    """The exp'd scales (CLIP's 14.3, SigLIP's 10), 5 itself, and the same value as a
+    temperature setting give no warning; 4.9 does (its own line)."""
+    a, t = _pair()
+    for scale in (1 / 0.07, 10.0, 5.0):
+        assert _recorded(lambda s=scale: CF.info_nce(a, t, logit_scale=torch.tensor(s))) == []
+    assert _recorded(lambda: CF.info_nce(a, t, temperature=1 / math.log(1 / 0.07))) == []
+    record = _recorded(lambda: CF.info_nce(a, t, logit_scale=torch.tensor(4.9)))
+    assert len(_only(record, "looks like the log of the scale")) == 1
 
 
 def test_a_frozen_parameter_holding_the_scale_is_named_the_scale():

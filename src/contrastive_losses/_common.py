@@ -43,6 +43,12 @@ MIN_TEMPERATURE = 1e-4
 # with the temperature 0.07, then exp'd) trains to 3.55 where chance is 4.16.
 MIN_PLAUSIBLE_SCALE = 2.0
 
+# open_clip and Hugging Face keep log(scale) in model.logit_scale and clamp the scale at
+# 100: their log-scale lies in [log 14.3, log 100] = [2.66, 4.61] in training. A scale
+# between MIN_PLAUSIBLE_SCALE and this (a temperature between 0.2 and 0.5) is more likely
+# that log passed without .exp() than a setting (CLIP/CLAP recipes train above 10).
+MIN_LINEAR_SCALE = 5.0
+
 # The kind of the temperature-habit warning (once per calling line; a Module that warned
 # at construction keeps its calls quiet: _warnings.told).
 TEMPERATURE_HABIT = "temperature habit"
@@ -137,11 +143,31 @@ def _warn_scale_habits(logit_scale: Tensor, value: float | None, name: str) -> N
     so ``logit_scale=model.logit_scale`` scales by about 2.66 instead of 14.3), unless
     its value is too large for a log (then it holds the scale itself), and a ``value``
     below :data:`MIN_PLAUSIBLE_SCALE` (a temperature passed as the scale, or the exp of a
-    parameter initialised with the temperature: every loss then sits near ``log B``)."""
+    parameter initialised with the temperature: every loss then sits near ``log B``),
+    and, for a tensor that is no ``nn.Parameter``, a ``value`` in
+    [:data:`MIN_PLAUSIBLE_SCALE`, :data:`MIN_LINEAR_SCALE`) (the log-scale passed without
+    ``.exp()``, e.g. ``model.logit_scale.detach()``). Reads no value of its own: with
+    ``validate`` off (``value`` None) only the Parameter is seen."""
     if isinstance(logit_scale, nn.Parameter):
         _warn_raw_parameter(logit_scale, value, name)
+    elif value is not None and MIN_PLAUSIBLE_SCALE <= value < MIN_LINEAR_SCALE:
+        warn_at_caller("log-space logit_scale", _log_scale_message(value, name))
     if value is not None and value < MIN_PLAUSIBLE_SCALE:
         warn_at_caller("logit_scale below 2", _low_scale_message(value, name))
+
+
+def _log_scale_message(value: float, name: str) -> str:
+    """Why a scale in [:data:`MIN_PLAUSIBLE_SCALE`, :data:`MIN_LINEAR_SCALE`) looks like
+    the log of the scale, and the fix."""
+    return (
+        f"{name}={value:.4g} is below {MIN_LINEAR_SCALE:g}: it looks like the log of the "
+        f"scale, which open_clip and Hugging Face keep in model.logit_scale (log(1/0.07) = "
+        f"2.66 at initialisation, at most log(100) = 4.61), so the logits are scaled by "
+        f"{value:.3g} instead of {math.exp(value):.3g}. Pass {name}=model.logit_scale.exp() "
+        f"(open_clip clamps it: .exp().clamp(max=100)). If {value:.4g} is the scale you "
+        f"mean (a temperature of {1 / value:.3g}), pass it as a setting instead, "
+        f"temperature={1 / value:.4g} (SigLIP: scale={value:.4g}), which does not warn"
+    )
 
 
 def _warn_raw_parameter(logit_scale: Tensor, value: float | None, name: str) -> None:

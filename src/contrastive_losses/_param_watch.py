@@ -92,23 +92,22 @@ class ParameterWatch:
     def arm(self, owner: nn.Module, params: list[nn.Parameter], labels: list[str]) -> None:
         """Watch ``params`` (those that require grad) of ``owner``, from scratch;
         ``labels[i]`` names ``params[i]`` in the warning (``{what}``)."""
-        self.disarm()
-        if self.done:
-            return
-        kept = [(p, label) for p, label in zip(params, labels, strict=True) if p.requires_grad]
-        self._clear()
-        self._owner = weakref.ref(owner)
-        self._params = [weakref.ref(p) for p, _ in kept]
-        self._labels = [label for _, label in kept]
-        n = len(kept)
-        self._snapshots, self._counts, self._settled = [None] * n, [0] * n, [False] * n
-        me = weakref.ref(self)  # the hooks must not keep the watch (nor its owner) alive
-        self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_gradient, me, i))
-            for i, (p, _) in enumerate(kept)
-        ]
-        if kept:  # while the loss is built, not inside someone's optimizer.step()
-            _optimizer_steps.install()
+        with _TABLE.lock:  # another thread's step may be judging this watch
+            self.disarm()
+            if self.done:
+                return
+            kept = [(p, lb) for p, lb in zip(params, labels, strict=True) if p.requires_grad]
+            self._clear()
+            self._owner = weakref.ref(owner)
+            self._params = [weakref.ref(p) for p, _ in kept]
+            self._labels = [label for _, label in kept]
+            n = len(kept)
+            self._snapshots, self._counts, self._settled = [None] * n, [0] * n, [False] * n
+            me = weakref.ref(self)  # the hooks must not keep the watch (nor its owner) alive
+            self._handles = [
+                p.register_post_accumulate_grad_hook(functools.partial(_gradient, me, i))
+                for i, (p, _) in enumerate(kept)
+            ]
 
     def rearm(self, owner: nn.Module, params: list[nn.Parameter], labels: list[str]) -> None:
         """:meth:`arm` again where the watched parameters are no longer ``params`` (a
@@ -123,10 +122,11 @@ class ParameterWatch:
 
     def disarm(self) -> None:
         """Remove the hooks and leave the table."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        _TABLE.forget(self)
+        with _TABLE.lock:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            _TABLE.forget(self)
 
     def counted_without_optimizer(self) -> bool:
         """Whether some parameter got a gradient before an optimizer step that did not
@@ -134,13 +134,17 @@ class ParameterWatch:
         return any(self._counts) and not any(self._settled)
 
     def _gradient(self, i: int, param: Tensor) -> None:
-        """Parameter ``i`` just received a gradient."""
-        owner = None if self._owner is None else self._owner()
-        if self.done or owner is None or not owner.training or self._settled[i]:
-            return
-        if self._snapshots[i] is None:
-            self._snapshots[i] = param.detach().clone()
-        _TABLE.fresh_gradient(self, i, param)
+        """Parameter ``i`` just received a gradient. Under the table's lock: another
+        thread's optimizer step may be deciding this watch (and clearing its lists)."""
+        with _TABLE.lock:
+            owner = None if self._owner is None else self._owner()
+            if self.done or owner is None or not owner.training:
+                return
+            if i >= len(self._params) or self._params[i]() is not param or self._settled[i]:
+                return  # a hook of an earlier arm, called as this one re-armed
+            if self._snapshots[i] is None:
+                self._snapshots[i] = param.detach().clone()
+            _TABLE.fresh_gradient(self, i, param)
 
     def _judge(self, due: list[int]) -> None:
         """Parameters ``due`` reached ``stuck_after`` counted steps (and are settled):
@@ -258,7 +262,7 @@ class _Table:
                 entry = self.undecided.pop(key)
                 self.fresh.pop(key, None)
                 watch = entry.watch()
-                if watch is not None and entry.param() is not None:
+                if watch is not None and entry.param() is not None and not watch.done:
                     watch._settled[entry.index] = True
                     settled.add(watch)
             fresh, self.fresh = self.fresh, {}

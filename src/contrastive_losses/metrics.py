@@ -30,6 +30,9 @@ What each function takes (a wrong layout is refused with the function that fits)
   with neither, ``sim`` must be square (the relevant item of row ``i`` is column ``i``).
   A relevance under which every gallery item is relevant to every query is refused (every
   ranking would score 1); one under which a random ranking scores R@1 above 1/2 warns.
+  Scores are similarities, higher first: ranks far below chance (``torch.cdist`` distances
+  passed as ``sim``) warn, naming ``-distances``; these and the embedding functions also
+  warn for all-tied scores (collapsed embeddings).
 * :func:`audio_text_retrieval`: embeddings, audio ``(N, D)`` and text ``(N, C, D)`` or
   ``(N, D)``, one language.
 * :func:`retrieval_report`: embeddings, audio ``(N, D)`` and text ``(N, K, C, D)``;
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import numbers
 import warnings
 from collections.abc import Callable, Sequence
@@ -63,6 +67,7 @@ from ._checks import (
     check_same_size,
     check_tensor,
 )
+from ._warnings import warn_at_caller
 
 __all__ = [
     "RetrievalReport",
@@ -229,6 +234,77 @@ def _check_chance(sim: Tensor, n_relevant: Tensor, rel_name: str) -> None:
         )
 
 
+# A result this unlikely under a random ranking is no bad model but a mistake in the inputs.
+_BELOW_CHANCE_P = 1e-6
+
+
+def _chance_in_top(n_relevant: Tensor, n_gallery: int, m: int) -> Tensor:
+    r"""``(Q,)`` float64: the probability that a random ranking of ``n_gallery`` items puts
+    one of a query's ``n_relevant`` relevant items in the top ``m``,
+    :math:`1 - \binom{G - n_q}{m} / \binom{G}{m}` (``m / G`` for one relevant item)."""
+    n = n_relevant.double()
+    g, top = float(n_gallery), float(m)
+    rest = g - n  # irrelevant items
+    log_miss = (  # log C(G - n, m) - log C(G, m)
+        torch.lgamma(rest + 1)
+        - torch.lgamma((rest - top + 1).clamp(min=1.0))
+        - (math.lgamma(g + 1) - math.lgamma(g - top + 1))
+    )
+    return torch.where(rest < top, 1.0, -torch.expm1(log_miss))
+
+
+def _warn_below_chance(
+    first: Tensor,
+    n_relevant: Tensor,
+    n_gallery: int,
+    score_name: str,
+    constant_rows: Callable[[], float] | None,
+) -> None:
+    r"""Warn when the ranks ``first`` (``(Q,)``, 1-based) put the relevant items far below
+    where a random ranking would: a distance matrix passed as similarities ranks every
+    relevant item near the end.
+
+    ``H``, the number of queries with a relevant item in the top half of the gallery
+    (:math:`m = \lceil G/2 \rceil`), is under a random ranking a sum of independent
+    Bernoulli(:math:`p_q`) (:func:`_chance_in_top`, :math:`p_q \ge 1/2`) with mean
+    :math:`\mu`; the Chernoff bound :math:`P(H \le h) \le e^{h - \mu}(\mu/h)^h` below
+    :data:`_BELOW_CHANCE_P` warns. So it never warns where the gallery and the number of
+    queries are too small to tell (:math:`h = 0` needs :math:`\mu > 13.8`, about 28
+    queries), and a random ranking warns at most once in a million evaluations.
+    ``constant_rows`` gives the share of all-tied rows of the scores (read only to word
+    the warning; None where the scores are not at hand)."""
+    n_q = first.shape[0]
+    m = (n_gallery + 1) // 2
+    hits = int((first <= m).sum())
+    mu = float(_chance_in_top(n_relevant, n_gallery, m).sum())
+    if hits >= mu:
+        return
+    log_tail = hits - mu + (hits * math.log(mu / hits) if hits else 0.0)
+    if log_tail >= math.log(_BELOW_CHANCE_P):
+        return
+    ties = "tied scores count against the query (pessimistic ranks)"
+    if constant_rows is None:
+        cause = f"Are the embeddings collapsed (all alike)? {ties}"
+    elif constant_rows() > 0.5:
+        cause = (
+            f"Most rows of {score_name} hold one value throughout ({ties}): are the "
+            "embeddings collapsed (all alike)?"
+        )
+    else:
+        cause = (
+            f"Is {score_name} a distance matrix (lower = closer, e.g. torch.cdist(text, "
+            "audio))? The metrics rank higher scores first: pass -distances, or the "
+            "similarities (text @ audio.T of L2-normalised embeddings)"
+        )
+    warn_at_caller(
+        f"below chance {score_name}",  # (T2A and A2T from one line: each its own)
+        f"{score_name}: the relevant items rank far below chance: {hits} of {n_q} queries "
+        f"have one in the top {m} of the {n_gallery} gallery items, where a random ranking "
+        f"puts {mu:.1f} on average (a result that unlikely under a random ranking: "
+        f"P < {_BELOW_CHANCE_P:g}). {cause}",
+    )
+
+
 def _id_relevance(query_ids: Tensor, gallery_ids: Tensor) -> BlockFn:
     """``f(a, b)``: bool ``query_ids[a:b, None] == gallery_ids``, ``(b - a, G)``, reused buffer."""
     buffers: list[Tensor] = []
@@ -375,23 +451,30 @@ def _prepare_sim(
     relevance: Tensor | None,
     query_ids: Tensor | None,
     gallery_ids: Tensor | None,
-) -> tuple[Tensor, BlockFn, str]:
+) -> tuple[Tensor, BlockFn, str, Tensor]:
+    """``sim`` checked and detached, its relevance function and name, and the ``(Q,)``
+    number of relevant items of each query."""
     s = _check_sim(sim).detach()
     rel_fn = _relevance_fn(s, relevance, query_ids, gallery_ids)  # validates the ids too
     rel_name = "relevance" if relevance is not None else "query_ids/gallery_ids"
-    _check_chance(s, _n_relevant(s, relevance, query_ids, gallery_ids), rel_name)
-    return s, rel_fn, rel_name
+    n_rel = _n_relevant(s.shape, s.device, relevance, query_ids, gallery_ids)
+    _check_chance(s, n_rel, rel_name)
+    return s, rel_fn, rel_name, n_rel
 
 
 def _n_relevant(
-    s: Tensor, relevance: Tensor | None, query_ids: Tensor | None, gallery_ids: Tensor | None
+    shape: tuple[int, int] | torch.Size,
+    device: torch.device,
+    relevance: Tensor | None,
+    query_ids: Tensor | None,
+    gallery_ids: Tensor | None,
 ) -> Tensor:
     """``(Q,)`` number of relevant gallery items of each query (inputs validated)."""
-    n_q, n_g = s.shape
+    n_q, n_g = shape
     if relevance is not None:
         return relevance.detach().sum(dim=1)
-    qi = torch.arange(n_q, device=s.device) if query_ids is None else query_ids.detach()
-    gi = torch.arange(n_g, device=s.device) if gallery_ids is None else gallery_ids.detach()
+    qi = torch.arange(n_q, device=device) if query_ids is None else query_ids.detach()
+    gi = torch.arange(n_g, device=device) if gallery_ids is None else gallery_ids.detach()
     values, counts = torch.unique(gi, return_counts=True)  # sorted
     pos = torch.searchsorted(values, qi).clamp(max=len(values) - 1)  # (Q,)
     return torch.where(values[pos] == qi, counts[pos], 0)
@@ -401,12 +484,13 @@ def _sim_scan(
     s: Tensor,
     rel_fn: BlockFn,
     rel_name: str,
+    n_rel: Tensor,
     chunk_size: int | None,
     map_k: int | None,
     denominator: str,
 ) -> tuple[Tensor, Tensor | None]:
     n_q, n_g = s.shape
-    return _scan(
+    first, ap = _scan(
         lambda a, b: s[a:b],
         rel_fn,
         n_q,
@@ -419,6 +503,13 @@ def _sim_scan(
         score_name="sim",
         relevance_name=rel_name,
     )
+    _warn_below_chance(first, n_rel, n_g, "sim", lambda: _constant_rows(s))
+    return first, ap
+
+
+def _constant_rows(s: Tensor) -> float:
+    """The share of the rows of ``s`` that hold one value throughout (all tied)."""
+    return float((s.amax(dim=1) == s.amin(dim=1)).double().mean())
 
 
 # --------------------------------------------------------------------------- public: sim
@@ -467,7 +558,11 @@ def retrieval_ranks(
 
     Warns:
         UserWarning: when a random ranking would score R@1 above 1/2 under the relevance
-        (the mean share of relevant gallery items per query), so the numbers say little.
+        (the mean share of relevant gallery items per query), so the numbers say little;
+        and when the relevant items rank far below chance (a distance matrix passed as
+        ``sim``: pass ``-distances``; or all-tied scores): fewer queries with a relevant
+        item in the top half of the gallery than a random ranking gives with probability
+        1e-6 (a Chernoff bound; the Metrics page derives it).
 
     Shape:
         - sim: :math:`(Q, G)`, Q queries, G gallery items.
@@ -481,8 +576,8 @@ def retrieval_ranks(
         >>> retrieval_ranks(sim)  # row 1 ties with an irrelevant item; row 2 is last
         tensor([1, 2, 3])
     """
-    s, rel_fn, rel_name = _prepare_sim(sim, relevance, query_ids, gallery_ids)
-    first, _ = _sim_scan(s, rel_fn, rel_name, chunk_size, None, "")
+    s, rel_fn, rel_name, n_rel = _prepare_sim(sim, relevance, query_ids, gallery_ids)
+    first, _ = _sim_scan(s, rel_fn, rel_name, n_rel, chunk_size, None, "")
     return first
 
 
@@ -564,10 +659,10 @@ def recall_at_k(
         >>> recall_at_k(sim, k=(1, 2, 3))  # relevant item of row i is column i
         {1: 0.3333333333333333, 2: 0.6666666666666666, 3: 1.0}
     """
-    s, rel_fn, rel_name = _prepare_sim(sim, relevance, query_ids, gallery_ids)
+    s, rel_fn, rel_name, n_rel = _prepare_sim(sim, relevance, query_ids, gallery_ids)
     single = isinstance(k, numbers.Integral) and not isinstance(k, bool)
     ks = _check_ks([k] if single else k, "k", s.shape[1])
-    first, _ = _sim_scan(s, rel_fn, rel_name, chunk_size, None, "")
+    first, _ = _sim_scan(s, rel_fn, rel_name, n_rel, chunk_size, None, "")
     out = {kk: int((first <= kk).sum()) / s.shape[0] for kk in ks}
     return out[ks[0]] if single else out
 
@@ -633,10 +728,10 @@ def map_at_k(
         >>> map_at_k(sim, relevance, k=3)  # ((1 + 2/3) / 2 + (1/2 + 2/3) / 2) / 2
         0.7083333333333333
     """
-    s, rel_fn, rel_name = _prepare_sim(sim, relevance, query_ids, gallery_ids)
+    s, rel_fn, rel_name, n_rel = _prepare_sim(sim, relevance, query_ids, gallery_ids)
     map_k = _check_int(k, "k", 1, s.shape[1], "the gallery size (columns of sim)")
     check_choice(denominator, "denominator", DENOMINATORS)
-    _, ap = _sim_scan(s, rel_fn, rel_name, chunk_size, map_k, denominator)
+    _, ap = _sim_scan(s, rel_fn, rel_name, n_rel, chunk_size, map_k, denominator)
     assert ap is not None  # map_k given
     return float(ap.sum()) / s.shape[0]
 
@@ -703,6 +798,8 @@ def _direction(
         score_name=score_name,
         relevance_name="ids",
     )
+    n_rel = _n_relevant((n_q, n_g), queries.device, None, query_ids, gallery_ids)
+    _warn_below_chance(first, n_rel, n_g, score_name, None)
     out = {f"R@{kk}": int((first <= kk).sum()) / n_q for kk in ks}
     assert ap is not None  # map_k given
     out[f"mAP@{map_k}"] = float(ap.sum()) / n_q
