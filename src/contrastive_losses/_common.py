@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -454,7 +454,7 @@ def _agree_pair(
     reduction: str,
     chunk_size: int | None,
     normalize: bool,
-    scale_settings: dict[str, object],
+    scale_settings: Mapping[str, object],
 ) -> None:
     """What the ranks compare of a call on one ``(audio, text)`` pair (InfoNCE, SigLIP):
     the tensors they gather (as given: their dtypes, not the float32 of normalised half

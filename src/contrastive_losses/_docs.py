@@ -37,5 +37,5 @@ def init_doc(cls: T) -> T:
     if args:
         text += "\n".join(args).rstrip() + "\n\n"
     text += f"Shapes, maths and an example: ``help({cls.__name__})``."
-    cls.__init__.__doc__ = text
+    cls.__init__.__doc__ = text  # type: ignore[misc]  # the class itself, not an instance
     return cls

@@ -272,7 +272,7 @@ def check_ddp_reached(name: str, encoder: Any, modules: list[nn.Module]) -> None
 
 def _fingerprint(ddp: DDP) -> Tensor:
     """``[sum of grad, sum of |grad|]`` in float64 over the parameters DDP synchronises."""
-    ignored = getattr(ddp, "parameters_to_ignore", set())
+    ignored: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))
     grads = [
         p.grad for n, p in ddp.module.named_parameters() if p.grad is not None and n not in ignored
     ]

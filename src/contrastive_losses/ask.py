@@ -209,7 +209,7 @@ _DEFAULT_TEMPERATURE = inspect.signature(ask).parameters["temperature"].default
 def _checked_ask(
     audio: Tensor,
     text: Tensor,
-    knowledge: tuple[Tensor | None, ...],
+    knowledge: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
     hparams: _Hparams,
     logit_scale: Tensor | None,
     plan: Tensor | None,

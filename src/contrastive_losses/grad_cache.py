@@ -439,7 +439,8 @@ class GradCache:
         no_sync = ddp is not None and defer_sync and not ddp.static_graph
         start = sum(tower.rows[:i])
         rows = slice(start, start + tower.rows[i])
-        with ddp.no_sync() if no_sync else contextlib.nullcontext(), tower.states[i].replay():
+        sync_off = ddp.no_sync() if ddp is not None and no_sync else contextlib.nullcontext()
+        with sync_off, tower.states[i].replay():
             out = _call(tower.encoder, tower.chunks[i], tower.name)
             if not out.requires_grad:
                 return False
