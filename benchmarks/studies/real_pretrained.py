@@ -621,11 +621,16 @@ def study(
     return {"setup": setup, **results}
 
 
-def extra_arguments(parser: argparse.ArgumentParser) -> None:
+def run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data, the Whisper model and where the runs go: shared with ``real_tuned``."""
     rm.data_arguments(parser)
     parser.add_argument("--whisper-dir", type=Path, help="default: the whisper extra's wheels")
     parser.add_argument("--workers", type=int, default=2, help="parallel runs on CPU")
     parser.add_argument("--device", default="cpu")
+
+
+def extra_arguments(parser: argparse.ArgumentParser) -> None:
+    run_arguments(parser)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated arms")
     parser.add_argument("--other-seeds", type=int, default=OTHER_SEEDS,
                         help="seeds of svr_static, svr_dynamic, ask, length_only")  # fmt: skip

@@ -487,10 +487,7 @@ def study(
 
 
 def extra_arguments(parser: argparse.ArgumentParser) -> None:
-    rm.data_arguments(parser)
-    parser.add_argument("--whisper-dir", type=Path, help="default: the whisper extra's wheels")
-    parser.add_argument("--workers", type=int, default=2, help="parallel runs on CPU")
-    parser.add_argument("--device", default="cpu")
+    rp.run_arguments(parser)
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms")
     parser.add_argument("--shard", default="0/1", help="i/n: every n-th job from the i-th")
     parser.add_argument("--collect", action="store_true", help="no training: the partial file")
