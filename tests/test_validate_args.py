@@ -26,7 +26,7 @@ from contrastive_losses import (
     RadiusPredictor,
     SigLIPLoss,
     SupportVectorRegularizer,
-    distributed,
+    _rank_agreement,
 )
 from contrastive_losses import functional as CF
 from contrastive_losses.distributed import validate_together
@@ -309,7 +309,7 @@ def test_validate_together_without_checks_sends_a_zero_header_and_reads_nothing(
 
     monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
-    monkeypatch.setattr(distributed, "_exchange_header", exchange)
+    monkeypatch.setattr(_rank_agreement, "_exchange_header", exchange)
     with validate_together(True, torch.zeros(2), validate=False) as v:
         assert v.min_batch == 0
         v.settings(temperature=torch.tensor(0.1))
