@@ -12,13 +12,14 @@ import doctest
 import io
 import json
 import math
+import sys
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contrastive_losses import metrics
+from contrastive_losses import _retrieval_scan, metrics
 from contrastive_losses.metrics import (
     RetrievalReport,
     audio_text_retrieval,
@@ -179,12 +180,12 @@ def test_sort_path_matches_reference(gen, monkeypatch, force_sort):
     # _LOOP_MAX_RELEVANT = 16: the row-sort + searchsorted path. force_sort sends every
     # call through it.
     if force_sort:
-        monkeypatch.setattr(metrics, "_LOOP_MAX_RELEVANT", 0)
+        monkeypatch.setattr(_retrieval_scan, "_LOOP_MAX_RELEVANT", 0)
     q, g = 9, 40
     for tied in (False, True):
         sim = random_scores(q, g, tied, gen)
         rel = random_relevance(q, g, 0.6, gen)
-        assert int(rel.sum(1).max()) > metrics._LOOP_MAX_RELEVANT or force_sort
+        assert int(rel.sum(1).max()) > _retrieval_scan._LOOP_MAX_RELEVANT or force_sort
         assert retrieval_ranks(sim, rel).tolist() == ref_ranks(sim, rel)
         for k in (5, g):
             for denominator in ("n_relevant", "min_n_relevant_k"):
@@ -406,8 +407,8 @@ def test_default_chunking_splits_rows(gen, monkeypatch):
     sim = random_scores(50, 7, True, gen)
     rel = random_relevance(50, 7, 0.3, gen)
     whole = map_at_k(sim, rel, k=4, chunk_size=50), retrieval_ranks(sim, rel, chunk_size=50)
-    monkeypatch.setattr(metrics, "_CHUNK_ELEMENTS", 20)  # 20 // 7 = 2 rows per chunk
-    assert metrics._chunk_rows(None, 7) == 2
+    monkeypatch.setattr(_retrieval_scan, "_CHUNK_ELEMENTS", 20)  # 20 // 7 = 2 rows per chunk
+    assert _retrieval_scan._chunk_rows(None, 7) == 2
     assert map_at_k(sim, rel, k=4) == pytest.approx(whole[0], abs=1e-12)
     assert torch.equal(retrieval_ranks(sim, rel), whole[1])
 
@@ -853,9 +854,14 @@ def test_bad_embedding_inputs(call, exc, match):
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(metrics, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted >= 10
-    assert result.failed == 0
+    # testmod finds only what a module defines: run the modules behind metrics' names too.
+    names = {sys.modules[getattr(metrics, name).__module__] for name in metrics.__all__}
+    attempted = 0
+    for module in sorted(names | {metrics}, key=lambda m: m.__name__):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        attempted += result.attempted
+        assert result.failed == 0, module.__name__
+    assert attempted >= 10
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

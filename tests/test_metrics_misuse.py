@@ -333,7 +333,7 @@ def test_chance_of_a_relevant_item_in_the_top_m_is_the_hypergeometric_one():
     items, m / G for one, 1 where the relevant items cannot all fall outside the top m."""
     import math
 
-    from contrastive_losses.metrics import _chance_in_top
+    from contrastive_losses._retrieval_scan import _chance_in_top
 
     n_relevant = torch.tensor([1, 2, 5, 7, 10])
     got = _chance_in_top(n_relevant, 12, 6).tolist()
