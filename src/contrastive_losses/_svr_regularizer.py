@@ -130,6 +130,37 @@ def _check_regularizer_settings(
         raise TypeError(f"constraint: expected None, True or False, got {constraint!r}")
 
 
+def _build_radius(
+    svr: SupportVectorRegularizer,
+    radius: object,
+    num_features: int,
+    hidden: int,
+    validate_args: bool | None,
+) -> None:
+    """Give ``svr`` its radius: a learned scalar (``"static"``), a
+    :class:`RadiusPredictor` (``"dynamic"``) or a fixed float buffer."""
+    if isinstance(radius, str):
+        _checks.check_choice(radius, "radius", RADIUS_MODES)
+        svr.radius_mode = radius
+        if radius == "static":
+            svr.radius = nn.Parameter(torch.tensor(svr.radius_init))
+        else:
+            svr.predictor = RadiusPredictor(
+                num_features, hidden, svr.radius_init, validate_args=validate_args
+            )
+    elif isinstance(radius, (int, float)) and not isinstance(radius, bool):
+        _checks.check_non_negative(radius, "radius")
+        check_radius(radius)
+        svr.radius_mode = "fixed"
+        svr.register_buffer("radius", torch.tensor(float(radius)))
+        svr._radius_value = float(radius)  # used, exact: see _scalar_radius
+        svr._radius_stamp = _stamp(svr.radius)
+    else:
+        raise TypeError(
+            f"radius: expected 'static', 'dynamic' or a float, got {type(radius).__name__}"
+        )
+
+
 @init_doc
 class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
     r"""SupCLAP's support vector regularisation around any loss of this library.
@@ -255,6 +286,10 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         0.1
     """
 
+    # a fixed radius's value as last read and its buffer's stamp (see _scalar_radius)
+    _radius_value: float
+    _radius_stamp: tuple[int, int]
+
     @_refuse_base_settings
     def __init__(
         self,
@@ -282,26 +317,7 @@ class SupportVectorRegularizer(_RadiusMonitor, nn.Module):
         self.svr_temperature = None if temperature is None else float(temperature)
         self.radius_init = float(radius_init)
         self.predictor: RadiusPredictor | None = None
-        if isinstance(radius, str):
-            _checks.check_choice(radius, "radius", RADIUS_MODES)
-            self.radius_mode = radius
-            if radius == "static":
-                self.radius = nn.Parameter(torch.tensor(float(radius_init)))
-            else:
-                self.predictor = RadiusPredictor(
-                    num_features, hidden, radius_init, validate_args=validate_args
-                )
-        elif isinstance(radius, (int, float)) and not isinstance(radius, bool):
-            _checks.check_non_negative(radius, "radius")
-            check_radius(radius)
-            self.radius_mode = "fixed"
-            self.register_buffer("radius", torch.tensor(float(radius)))
-            self._radius_value = float(radius)  # used, exact: see _scalar_radius
-            self._radius_stamp = _stamp(self.radius)
-        else:
-            raise TypeError(
-                f"radius: expected 'static', 'dynamic' or a float, got {type(radius).__name__}"
-            )
+        _build_radius(self, radius, num_features, hidden, validate_args)
         self.constraint = self.radius_mode == "dynamic" if constraint is None else constraint
         self.validate_args = validate_args
         self._reset_monitor()
