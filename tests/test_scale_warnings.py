@@ -71,16 +71,22 @@ def test_raw_parameter_as_logit_scale_warns_once_at_the_callers_line(name):
     a, t = _pair()
     log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
     call = RAW_CALLS[name]
+    message = _warned_once_at_the_caller(call, a, t, log_scale, "got an nn.Parameter itself")
+    assert "logit_scale=model.logit_scale.exp()" in message
+
+
+def _warned_once_at_the_caller(call, a, t, scale, match: str) -> str:
+    """``call(a, t, scale)`` three times from one line gives one warning matching
+    ``match``, at that line of this file; its message."""
 
     def three_calls():
         for _ in range(3):
-            call(a, t, log_scale)
+            call(a, t, scale)
 
-    record = _only(_recorded(three_calls), "got an nn.Parameter itself")
+    record = _only(_recorded(three_calls), match)
     assert len(record) == 1, [str(w.message) for w in record]
-    message = str(record[0].message)
-    assert "logit_scale=model.logit_scale.exp()" in message
     _assert_points_at(record[0], call)
+    return str(record[0].message)
 
 
 def _assert_points_at(record: warnings.WarningMessage, call) -> None:
@@ -115,15 +121,9 @@ def test_scale_below_one_warns_once_with_the_inverse(name):
     per line, naming 1/0.07; above 1 nothing."""
     a, t = _pair()
     call = RAW_CALLS[name]
-
-    def calls():
-        for _ in range(3):
-            call(a, t, torch.tensor(0.07))  # the temperature, not 1/temperature
-
-    record = _only(_recorded(calls), "is below 1: it looks like a temperature")
-    assert len(record) == 1
-    assert "logit_scale=14.29" in str(record[0].message)
-    _assert_points_at(record[0], call)
+    temperature = torch.tensor(0.07)  # the temperature, not 1/temperature
+    match = "is below 1: it looks like a temperature"
+    assert "logit_scale=14.29" in _warned_once_at_the_caller(call, a, t, temperature, match)
     assert not _only(_recorded(lambda: call(a, t, torch.tensor(1.0))), "below 1")
 
 
@@ -170,17 +170,9 @@ def test_a_log_scale_passed_without_exp_warns_naming_exp(name):
     log stands for."""
     a, t = _pair()
     call, log_scale = RAW_CALLS[name], torch.tensor(LOG_SCALES[name])
-
-    def calls():
-        for _ in range(3):
-            call(a, t, log_scale)
-
-    record = _only(_recorded(calls), "looks like the log of the scale")
-    assert len(record) == 1, [str(w.message) for w in record]
-    message = str(record[0].message)
+    message = _warned_once_at_the_caller(call, a, t, log_scale, "looks like the log of the scale")
     assert "logit_scale=model.logit_scale.exp()" in message
     assert f"instead of {math.exp(LOG_SCALES[name]):.3g}" in message
-    _assert_points_at(record[0], call)
 
 
 def test_a_scale_of_five_or_more_or_a_temperature_setting_is_quiet():
