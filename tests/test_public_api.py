@@ -187,15 +187,19 @@ SIGNATURES = {
         "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
         "logit_scale: 'Tensor | None' = None, ids: 'Tensor | None' = None, normalize: 'bool' = "
         "True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = "
-        "False, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
-        "'Tensor | tuple[Tensor, Terms]'"
+        "False, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None, "
+        "negatives: 'Tensor | None' = None, negatives_mask: 'Tensor | None' = None, "
+        "audio_negatives: 'Tensor | None' = None, audio_negatives_mask: 'Tensor | None' = "
+        "None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.kcl": (
         "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
         "logit_scale: 'Tensor | None' = None, mask: 'Tensor | None' = None, negatives: 'str' = "
         "'per_language', normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
         "None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, "
-        "validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "validate_args: 'bool | None' = None, hard_negatives: 'Tensor | None' = None, "
+        "hard_negatives_mask: 'Tensor | None' = None, audio_negatives: 'Tensor | None' = None, "
+        "audio_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.l2_normalize": (
         "(x: 'Tensor', norms: 'Tensor | None' = None) -> 'Tensor'"
@@ -207,10 +211,12 @@ SIGNATURES = {
     ),
     "contrastive_losses.functional.siglip": (
         "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float | "
-        "Tensor' = -10.0, *, logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' = "
-        "None, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
-        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | "
-        "None' = None, validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "Tensor' = -10.0, *, logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' "
+        "= None, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int "
+        "| None' = None, validate_args: 'bool | None' = None, negatives: 'Tensor | None' = "
+        "None, negatives_mask: 'Tensor | None' = None, audio_negatives: 'Tensor | None' = "
+        "None, audio_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.sinkhorn": (
         "(scores: 'Tensor', epsilon: 'float' = 0.05, max_iter: 'int' = 100, tol: 'float | None' = "
@@ -319,18 +325,24 @@ FORWARD_SIGNATURES = {
     ),
     "InfoNCELoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
-        "'Tensor | None' = None, return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
+        "'Tensor | None' = None, return_terms: 'bool' = False, negatives: 'Tensor | None' = "
+        "None, negatives_mask: 'Tensor | None' = None, audio_negatives: 'Tensor | None' = "
+        "None, audio_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
         "dict[str, Tensor]]'"
     ),
     "KCLLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', mask: 'Tensor | None' = None, *, logit_scale: "
-        "'Tensor | None' = None, return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
+        "'Tensor | None' = None, return_terms: 'bool' = False, hard_negatives: 'Tensor | None' "
+        "= None, hard_negatives_mask: 'Tensor | None' = None, audio_negatives: 'Tensor | None' "
+        "= None, audio_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
         "dict[str, Tensor]]'"
     ),
     "SigLIPLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
         "'Tensor | None' = None, logit_bias: 'Tensor | None' = None, return_terms: 'bool' = "
-        "False) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
+        "False, negatives: 'Tensor | None' = None, negatives_mask: 'Tensor | None' = None, "
+        "audio_negatives: 'Tensor | None' = None, audio_negatives_mask: 'Tensor | None' = "
+        "None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
     ),
     "SupportVectorRegularizer": (
         "(self, *args: 'Any', logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import _checks, _compat
+from . import _checks, _compat, _hard_negatives
 from ._common import (
     ContrastivePair,
     Terms,
@@ -47,6 +47,10 @@ def info_nce(
     return_terms: bool = False,
     chunk_size: int | None = None,
     validate_args: bool | None = None,
+    negatives: Tensor | None = None,
+    negatives_mask: Tensor | None = None,
+    audio_negatives: Tensor | None = None,
+    audio_negatives_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Symmetric InfoNCE (the CLIP / CLAP loss).
 
@@ -87,9 +91,23 @@ def info_nce(
             or under ``torch.compile``, only the static checks (shapes, dtypes, devices,
             arguments) run and a forward and backward make no host sync; under gather
             every rank must then hold the same batch size (see "Performance switches").
+        negatives: optional hard-negative texts ``(B, H, D)`` (e.g. mined captions of
+            other clips), normalised as the batch. Every present negative of every row
+            (and, gathered, of every rank) is an extra column of *every* a->t softmax,
+            as in sentence-transformers' MultipleNegativesRankingLoss; negatives are
+            never anchors. With :math:`L_i` the log-sum-exp of row :math:`i`'s logits
+            over them, its a->t loss becomes
+            :math:`\log(e^{LSE_i} + e^{L_i}) - pos_i`, computed exactly as
+            ``old_i + softplus(L_i - old_i - pos_i)`` (dense or tiled by ``chunk_size``).
+        negatives_mask: optional bool ``(B, H)``, ``True`` where ``negatives[i, h]``
+            is present (absent ones may be zero rows; a row may have none).
+        audio_negatives: optional hard-negative audio ``(B, H', D)``: extra columns of
+            every t->a softmax.
+        audio_negatives_mask: optional bool ``(B, H')`` for ``audio_negatives``.
 
     Shape:
-        audio ``(B, D)``, text ``(B, D)``, ids ``(B,)``; output scalar or ``(B,)``.
+        audio ``(B, D)``, text ``(B, D)``, ids ``(B,)``, negatives ``(B, H, D)``,
+        negatives_mask ``(B, H)``; output scalar or ``(B,)``.
 
     Example:
         >>> import torch
@@ -110,10 +128,18 @@ def info_nce(
         if v.active:  # the ranks check together (else nothing is recorded)
             settings = _scale_setting(temperature, logit_scale)
             _agree_pair(v, audio, text, ids, reduction, chunk_size, normalize, settings)
+        neg = _hard_negatives.check_negatives(
+            v,
+            (audio, a, t),
+            (negatives, negatives_mask),
+            (audio_negatives, audio_negatives_mask),
+            (normalize, validate, "negatives"),
+            scale,
+        )
     dtype = audio.dtype  # of the loss; half inputs are computed in float32
     a, t = widen(a), widen(t)
     a, t, ids = v.ordered(a, t, ids)  # gathered only after the ranks' exchange
-    if reduction == "mean" and ids is None and not enabled:
+    if reduction == "mean" and ids is None and not enabled and neg is None:
         if _tile_width(chunk_size, a.shape[0]) is None:  # one process, dense: fused means
             mean_a2t, mean_t2a = _info_nce_means(a, t, scale)
             loss = (mean_a2t + mean_t2a) / 2
@@ -121,6 +147,12 @@ def info_nce(
                 return _narrow(loss, dtype)
             return _finish(loss, {"loss_a2t": mean_a2t, "loss_t2a": mean_t2a}, True, dtype)
     a2t, t2a, batch = _info_nce_rows(a, t, scale, ids, enabled, chunk_size, validate)
+    if neg is not None:
+        neg = neg.ordered(v).gathered(enabled, validate)
+        rows = (a2t, t2a)
+        a2t, t2a = _hard_negatives.info_nce_rows(
+            rows, a, t, scale, ids, neg, (enabled, validate, batch.offset), chunk_size
+        )
     loss = _reduce((a2t + t2a) / 2, reduction, batch.n_global, batch)
     if not return_terms:  # the terms' reductions cost as much as the loss's at small B
         return _narrow(loss, dtype)
@@ -183,6 +215,10 @@ class InfoNCELoss(_TemperatureMixin):
         *,
         logit_scale: Tensor | None = None,
         return_terms: bool = False,
+        negatives: Tensor | None = None,
+        negatives_mask: Tensor | None = None,
+        audio_negatives: Tensor | None = None,
+        audio_negatives_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         r"""The loss of one batch.
 
@@ -195,16 +231,28 @@ class InfoNCELoss(_TemperatureMixin):
                 refused when the temperature is learnable here.
             return_terms: also return the detached terms ``{"loss_a2t", "loss_t2a",
                 "temperature"}``.
+            negatives, negatives_mask, audio_negatives, audio_negatives_mask: hard
+                negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
+                every anchor's softmax (see :func:`~contrastive_losses.functional.info_nce`).
 
         Returns:
             The loss, a scalar (``(B,)`` with ``reduction="none"``), or ``(loss, terms)``.
         """
         return self._loss(
-            info_nce, audio, text, ids=ids, logit_scale=logit_scale, return_terms=return_terms
+            info_nce,
+            audio,
+            text,
+            ids=ids,
+            logit_scale=logit_scale,
+            return_terms=return_terms,
+            negatives=negatives,
+            negatives_mask=negatives_mask,
+            audio_negatives=audio_negatives,
+            audio_negatives_mask=audio_negatives_mask,
         )
 
     def contrastive_pairs(
-        self, audio: Tensor, text: Tensor, ids: Tensor | None = None
+        self, audio: Tensor, text: Tensor, ids: Tensor | None = None, **hard_negatives: object
     ) -> list[ContrastivePair]:
-        """The one ``(audio, text)`` pair this loss contrasts."""
+        """The one ``(audio, text)`` pair this loss contrasts (hard negatives are no pair)."""
         return [ContrastivePair(audio, text)]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, _compat
+from . import _checks, _compat, _hard_negatives
 from ._common import (
     ContrastivePair,
     Terms,
@@ -89,6 +89,10 @@ def kcl(
     return_terms: bool = False,
     chunk_size: int | None = None,
     validate_args: bool | None = None,
+    hard_negatives: Tensor | None = None,
+    hard_negatives_mask: Tensor | None = None,
+    audio_negatives: Tensor | None = None,
+    audio_negatives_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""1-to-K contrastive loss (KCL, ATRI Eq. 9–11): one audio, K captions in K languages.
 
@@ -138,9 +142,22 @@ def kcl(
         validate_args: value checks on, off (no host sync) or ``None`` (the global
             default), as in :func:`~contrastive_losses.functional.info_nce`; off, a mask
             row with no present caption is not caught (its terms are then undefined).
+        hard_negatives: optional hard-negative captions ``(B, H, D)`` (named so because
+            ``negatives`` picks the in-batch columns), normalised as the captions: every
+            present one (of every row and, gathered, of every rank) is an extra column of
+            every a->t softmax, of each language's (``"per_language"``) or of the one
+            over all captions (``"all_languages"``); never anchors. A present pair's
+            a->t loss :math:`LSE - pos` becomes :math:`\log(e^{LSE} + e^{L_i}) - pos`,
+            :math:`L_i` the log-sum-exp of audio :math:`i`'s logits over them, computed
+            as ``old + softplus(L_i - old - pos)``; absent captions stay 0.
+        hard_negatives_mask: optional bool ``(B, H)``, ``True`` where present.
+        audio_negatives: optional hard-negative audio ``(B, H', D)``: extra columns of
+            every present caption's t->a softmax.
+        audio_negatives_mask: optional bool ``(B, H')`` for ``audio_negatives``.
 
     Shape:
-        audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``; output scalar or ``(B, K)``.
+        audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``, hard_negatives
+        ``(B, H, D)``; output scalar or ``(B, K)``.
 
     Example:
         >>> import torch
@@ -173,6 +190,14 @@ def kcl(
             normalize=normalize,
             mask_given=mask is not None,
         )
+        neg = _hard_negatives.check_negatives(
+            v,
+            (audio, a, t_raw.flatten(0, 1)),
+            (hard_negatives, hard_negatives_mask),
+            (audio_negatives, audio_negatives_mask),
+            (normalize, validate, "hard_negatives"),
+            scale,
+        )
     a, t_raw, m = v.ordered(a, t_raw, m)  # gathered only after the ranks' exchange
     # Single process, per-language negatives: normalise through the scores (fast path)
     # only where the checks read the norms and found them moderate: the unnormalised
@@ -180,7 +205,7 @@ def kcl(
     # normalises fine). With the checks off nothing is read (no sync), so the captions
     # are normalised first, as every other loss does: the same value as checks on.
     fused = normalize and not enabled and negatives == "per_language" and moderate
-    fused = fused and chunk_size is None
+    fused = fused and chunk_size is None and neg is None  # the negatives need unit captions
     # Half inputs are computed in float32 and the loss returned in their dtype (autograd
     # casts the gradients back): the sums over B*K pairs overflow float16 long before the
     # float64 loss, as do the fused path's unnormalised scores t @ a.T and its 1/||t||^2
@@ -189,10 +214,15 @@ def kcl(
     a, t_raw, text_norms = widen(a), widen(t_raw), widen(text_norms)
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
     a = a * scale  # the (B, D) side, not the (K, B, B) scores; as in _info_nce_rows
+    if neg is not None:  # gathered as the batch; extra columns of the rows computed below
+        neg = neg.ordered(v).gathered(enabled, validate)
+        hard = (negatives == "all_languages", scale, chunk_size)
     if chunk_size is not None:
         a2t, t2a, offset, n_global, m_all = _tiled_pairs(
             a, t, m, negatives, enabled, chunk_size, validate
         )
+        if neg is not None:
+            a2t, t2a = _hard_negatives.kcl_pairs((a2t, t2a), a, t, m, hard, neg)
         return _kcl_reduce(
             a2t, t2a, m_all, _batch(offset, n_global, enabled), reduction, return_terms, out_dtype
         )
@@ -207,7 +237,8 @@ def kcl(
         a2t, t2a = _per_language_local(a, t, m, text_norms if fused else None)
     else:
         a2t, t2a = _all_languages(a, t, m, glob)
-
+    if neg is not None:
+        a2t, t2a = _hard_negatives.kcl_pairs((a2t, t2a), a, t, m, hard, neg)
     return _kcl_reduce(a2t, t2a, m_all, batch, reduction, return_terms, out_dtype)
 
 
@@ -422,6 +453,10 @@ class KCLLoss(_TemperatureMixin):
         *,
         logit_scale: Tensor | None = None,
         return_terms: bool = False,
+        hard_negatives: Tensor | None = None,
+        hard_negatives_mask: Tensor | None = None,
+        audio_negatives: Tensor | None = None,
+        audio_negatives_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         r"""The loss of one batch.
 
@@ -434,6 +469,9 @@ class KCLLoss(_TemperatureMixin):
                 temperature is learnable here.
             return_terms: also return the detached terms (``loss_a2t``, ``loss_t2a``,
                 ``temperature``, ...; see :func:`~contrastive_losses.functional.kcl`).
+            hard_negatives, hard_negatives_mask, audio_negatives, audio_negatives_mask: hard
+                negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
+                every anchor's softmax (see :func:`~contrastive_losses.functional.kcl`).
 
         Returns:
             The loss, a scalar (``(B, K)`` with ``reduction="none"``), or ``(loss, terms)``.
@@ -446,12 +484,17 @@ class KCLLoss(_TemperatureMixin):
             negatives=self.negatives,
             logit_scale=logit_scale,
             return_terms=return_terms,
+            hard_negatives=hard_negatives,
+            hard_negatives_mask=hard_negatives_mask,
+            audio_negatives=audio_negatives,
+            audio_negatives_mask=audio_negatives_mask,
         )
 
     def contrastive_pairs(
-        self, audio: Tensor, text: Tensor, mask: Tensor | None = None
+        self, audio: Tensor, text: Tensor, mask: Tensor | None = None, **hard_negatives: object
     ) -> list[ContrastivePair]:
-        """One ``(audio, captions of language k)`` pair per language, rows masked."""
+        """One ``(audio, captions of language k)`` pair per language, rows masked (hard
+        negatives are no pair)."""
         # Layout only: forward validated the batch (its size globally, under gather, where
         # a rank may hold one sample or none; a local minimum here would fail one rank alone).
         _checks.check_embeddings(

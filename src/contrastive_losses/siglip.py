@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks, _compat
+from . import _checks, _compat, _hard_negatives
 from ._common import (
     MIN_PLAUSIBLE_SCALE,
     MIN_TEMPERATURE,
@@ -126,6 +126,10 @@ def siglip(
     return_terms: bool = False,
     chunk_size: int | None = None,
     validate_args: bool | None = None,
+    negatives: Tensor | None = None,
+    negatives_mask: Tensor | None = None,
+    audio_negatives: Tensor | None = None,
+    audio_negatives_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Pairwise sigmoid loss (SigLIP, Zhai et al. 2023).
 
@@ -161,9 +165,21 @@ def siglip(
             those of ``scale`` and ``bias`` included).
         validate_args: value checks on, off (no host sync) or ``None`` (the global
             default), as in :func:`~contrastive_losses.functional.info_nce`.
+        negatives: optional hard-negative texts ``(B, H, D)``, normalised as the batch:
+            every present one (of every row and, gathered, of every rank) adds the
+            negative-label pair term
+            :math:`\operatorname{softplus}(c\langle a_i, n\rangle + b)` to every audio
+            anchor's row; counted like the in-batch pairs (``"mean"`` still divides by
+            the global batch size ``B``). Never anchors themselves.
+        negatives_mask: optional bool ``(B, H)``, ``True`` where present.
+        audio_negatives: optional hard-negative audio ``(B, H', D)``: the pair term
+            :math:`\operatorname{softplus}(c\langle m, t_i\rangle + b)` of every audio
+            negative :math:`m` with every text :math:`t_i`, added to row :math:`i`.
+        audio_negatives_mask: optional bool ``(B, H')`` for ``audio_negatives``.
 
     Shape:
-        audio ``(B, D)``, text ``(B, D)``; output scalar or ``(B,)``.
+        audio ``(B, D)``, text ``(B, D)``, negatives ``(B, H, D)``, negatives_mask
+        ``(B, H)``; output scalar or ``(B,)``.
 
     Example:
         >>> import torch
@@ -192,6 +208,15 @@ def siglip(
                 "bias dtype": _value_dtype(bias),
             }
             _agree_pair(v, audio, text, ids, reduction, chunk_size, normalize, settings)
+        neg = _hard_negatives.check_negatives(
+            v,
+            (audio, a, t),
+            (negatives, negatives_mask),
+            (audio_negatives, audio_negatives_mask),
+            (normalize, validate, "negatives"),
+            scale,
+            bias,
+        )
     dtype = audio.dtype  # of the loss; half inputs are computed in float32
     a, t = widen(a), widen(t)
     a, t, ids = v.ordered(a, t, ids)  # gathered only after the ranks' exchange
@@ -205,6 +230,9 @@ def siglip(
         s_t, b_t = (_as_tensor(v, a).to(a.dtype) for v in (scale, bias))
         col_ids = distinct_ids(ids, ids_all)
         per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, col_ids, chunk)
+    if neg is not None:  # each row's pairs plus its hard negatives' pair terms
+        neg = neg.ordered(v).gathered(enabled, validate)
+        per_row = _hard_negatives.siglip_rows(per_row, a, t, scale, bias, neg, chunk_size)
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
     if not return_terms:
@@ -373,6 +401,10 @@ class SigLIPLoss(_LossSettings):
         logit_scale: Tensor | None = None,
         logit_bias: Tensor | None = None,
         return_terms: bool = False,
+        negatives: Tensor | None = None,
+        negatives_mask: Tensor | None = None,
+        audio_negatives: Tensor | None = None,
+        audio_negatives_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """The loss of one batch.
 
@@ -386,6 +418,9 @@ class SigLIPLoss(_LossSettings):
                 Module's bias. Both are refused when this Module learns its own
                 (``learnable=True``, the default): build it with ``learnable=False``.
             return_terms: also return the detached terms ``{"scale", "bias"}``.
+            negatives, negatives_mask, audio_negatives, audio_negatives_mask: hard
+                negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
+                every anchor's softmax (see :func:`~contrastive_losses.functional.siglip`).
 
         Returns:
             The loss, a scalar (``(B,)`` row sums with ``reduction="none"``), or
@@ -404,11 +439,21 @@ class SigLIPLoss(_LossSettings):
         )
         bias = {"bias": self.bias} if logit_bias is None else {"logit_bias": logit_bias}
         return siglip(
-            audio, text, ids=ids, return_terms=return_terms, **scale, **bias, **self._settings()
+            audio,
+            text,
+            ids=ids,
+            return_terms=return_terms,
+            negatives=negatives,
+            negatives_mask=negatives_mask,
+            audio_negatives=audio_negatives,
+            audio_negatives_mask=audio_negatives_mask,
+            **scale,
+            **bias,
+            **self._settings(),
         )
 
     def contrastive_pairs(
-        self, audio: Tensor, text: Tensor, ids: Tensor | None = None
+        self, audio: Tensor, text: Tensor, ids: Tensor | None = None, **hard_negatives: object
     ) -> list[ContrastivePair]:
-        """The one ``(audio, text)`` pair this loss contrasts."""
+        """The one ``(audio, text)`` pair this loss contrasts (hard negatives are no pair)."""
         return [ContrastivePair(audio, text)]
