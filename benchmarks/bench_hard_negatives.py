@@ -113,7 +113,7 @@ def one_run(b: int, d: int, hs: list[int], repeats: int, warmup: float) -> list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3, help="whole runs combined (median, range)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed rounds per run")
+    parser.add_argument("--repeats", type=int, default=50, help="timed rounds per run")
     parser.add_argument("--quick", action="store_true", help="a check that the script runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -139,7 +139,14 @@ def main() -> None:
         ],
     )
     print(table)
-    payload = {"batch": b, "dim": d, "runs": runs, "repeats": repeats, "rows": rows}
+    payload = {
+        "batch": b,
+        "dim": d,
+        "runs": runs,
+        "repeats": repeats,
+        "rows": rows,
+        "table_markdown": table,
+    }
     print(write_results("hard_negatives", payload, quick=args.quick))
 
 

@@ -280,24 +280,27 @@ def info_nce_rows(
     softmax, audio negatives in every t->a one. ``a``, ``t`` this rank's unit rows;
     ``gather`` = (enabled, validate, this rank's first row in the gathered batch)."""
     a2t, t2a = rows
-    a_s, t_s = a * scale, t * scale
-    if ids is None:
-        pos_a2t = pos_t2a = (a_s * t).sum(-1)
-    else:  # the mean positive logit: a row against its id's mean (every rank's rows)
-        enabled, validate, offset = gather
-        ids_all = _gather_no_grad(ids, enabled, validate)
-        pos_a2t = pos_t2a = None
-        if neg.text is not None:
-            t_all = _gather(t, enabled, validate)[0]
-            pos_a2t = (a_s * _same_id_means(ids, ids_all, t_all, offset)).sum(-1)
-        if neg.audio is not None:
-            a_all = _gather(a_s, enabled, validate)[0]
-            pos_t2a = (t * _same_id_means(ids, ids_all, a_all, offset)).sum(-1)
+    a_s = a * scale
+    ids_all = None if ids is None else _gather_no_grad(ids, gather[0], gather[1])
     if neg.text is not None:
-        a2t = extend_rows(a2t, pos_a2t, a_s, neg.text, neg.text_mask, chunk_size)
+        pos = _positive(a_s, t, ids, ids_all, gather)
+        a2t = extend_rows(a2t, pos, a_s, neg.text, neg.text_mask, chunk_size)
     if neg.audio is not None:
-        t2a = extend_rows(t2a, pos_t2a, t_s, neg.audio, neg.audio_mask, chunk_size)
+        pos = _positive(t, a_s, ids, ids_all, gather)
+        t2a = extend_rows(t2a, pos, t * scale, neg.audio, neg.audio_mask, chunk_size)
     return a2t, t2a
+
+
+def _positive(
+    x: Tensor, y: Tensor, ids: Tensor | None, ids_all: Tensor | None, gather: tuple[bool, bool, int]
+) -> Tensor:
+    """Each local row's positive logit ``<x_i, y_i>``; with ``ids`` the mean of its
+    logits with every rank's ``y`` of its id (:func:`_same_id_means`)."""
+    if ids is None or ids_all is None:
+        return (x * y).sum(-1)
+    enabled, validate, offset = gather
+    y_all = _gather(y, enabled, validate)[0]
+    return (x * _same_id_means(ids, ids_all, y_all, offset)).sum(-1)
 
 
 def siglip_rows(
