@@ -335,6 +335,34 @@ def test_permuting_the_negatives_leaves_the_loss(seed, chunk):
         torch.testing.assert_close(got, fn(a, t, chunk_size=chunk, **kept), rtol=1e-12, atol=0)
 
 
+def test_no_negative_columns_equal_none():
+    """H = 0 (a batch where mining found nothing): the plain loss, dense and tiled."""
+    x = _data(13)
+    a, t = x["audio"].detach(), x["text"].detach()
+    empty = torch.zeros(B, 0, D, dtype=torch.float64)
+    for chunk in (None, 2):
+        for fn in (CF.info_nce, CF.siglip):
+            got = fn(a, t, negatives=empty, audio_negatives=empty, chunk_size=chunk)
+            torch.testing.assert_close(got, fn(a, t, chunk_size=chunk), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_computed_in_float32(dtype):
+    """Half inputs and negatives: the float32 loss of the same (rounded) values, returned
+    in their dtype, with gradients in their dtype."""
+    x = _data(14)
+    half = [x[k].detach().to(dtype).requires_grad_() for k in ("audio", "text", "neg", "aneg")]
+    wide = [h.detach().float().requires_grad_() for h in half]
+    kw = {"negatives_mask": x["neg_m"], "chunk_size": 2}
+    got = CF.info_nce(half[0], half[1], negatives=half[2], audio_negatives=half[3], **kw)
+    want = CF.info_nce(wide[0], wide[1], negatives=wide[2], audio_negatives=wide[3], **kw)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=0, atol=0)
+    for gh, gw in zip(torch.autograd.grad(got, half), torch.autograd.grad(want, wide), strict=True):
+        assert gh.dtype == dtype
+        torch.testing.assert_close(gh, gw.to(dtype))
+
+
 # ------------------------------------------------------------------ 2 gloo ranks
 
 
@@ -366,6 +394,16 @@ def _rank_losses(gather: bool) -> dict:
         )
         out[f"siglip_{c}"] = lambda x, r, c=c: CF.siglip(
             x["audio"][r], x["text"][r], SCALE, BIAS, gather=gather, chunk_size=c, **kw(x, r)
+        )
+        out[f"kcl_all_{c}"] = lambda x, r, c=c: CF.kcl(
+            x["audio"][r],
+            x["text3"][r],
+            TAU,
+            mask=x["mask3"][r],
+            negatives="all_languages",
+            gather=gather,
+            chunk_size=c,
+            **kw(x, r, "hard_negatives"),
         )
         out[f"kcl_{c}"] = lambda x, r, c=c: CF.kcl(
             x["audio"][r],

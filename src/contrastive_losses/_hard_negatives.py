@@ -38,7 +38,7 @@ from torch import Tensor
 from . import _checks
 from ._common import _gather, _gather_no_grad, _logit_range, _tile_width
 from ._kernels import _compute_dtype, l2_normalize, widen
-from ._rank_header import Validation
+from .distributed import Validation
 
 
 class HardNegatives(NamedTuple):
