@@ -75,13 +75,17 @@ def one_run(b: int, d: int, hs: list[int], repeats: int, warmup: float) -> list[
     }
     for h in hs:
         n, m = torch.randn(b, h, d, generator=g), torch.randn(b, h, d, generator=g)
-        fns[f"ours_{h}"] = _step(lambda a, t, n: CF.info_nce(a, t, TAU, negatives=n), a, t, n)
+        fns[f"ours_{h}"] = _step(lambda a, t, n: CF.info_nce(a, t, TAU, hard_negatives=n), a, t, n)
         fns[f"concat_ce_{h}"] = _step(concat_ce, a, t, n)
         fns[f"both_sides_{h}"] = _step(
-            lambda a, t, n, m: CF.info_nce(a, t, TAU, negatives=n, audio_negatives=m), a, t, n, m
+            lambda a, t, n, m: CF.info_nce(a, t, TAU, hard_negatives=n, audio_hard_negatives=m),
+            a,
+            t,
+            n,
+            m,
         )
         fns[f"tiled_{h}"] = _step(
-            lambda a, t, n: CF.info_nce(a, t, TAU, negatives=n, chunk_size=64), a, t, n
+            lambda a, t, n: CF.info_nce(a, t, TAU, hard_negatives=n, chunk_size=64), a, t, n
         )
     wall, cpu = interleaved_wall_and_cpu(fns, repeats, warmup=warmup)
     med = {k: (statistics.median(cpu[k]), statistics.median(wall[k])) for k in fns}

@@ -169,10 +169,10 @@ def test_info_nce_matches_plain_loop(chunk, masked, with_ids):
         x["text"],
         TAU,
         ids=None if ids is None else torch.tensor(ids),
-        negatives=x["neg"],
-        negatives_mask=nm,
-        audio_negatives=x["aneg"],
-        audio_negatives_mask=am,
+        hard_negatives=x["neg"],
+        hard_negatives_mask=nm,
+        audio_hard_negatives=x["aneg"],
+        audio_hard_negatives_mask=am,
         chunk_size=chunk,
     )
     want = ref_info_nce(x["audio"], x["text"], x["neg"], nm, x["aneg"], am, ids)
@@ -189,10 +189,10 @@ def test_siglip_matches_plain_loop(chunk, masked):
         x["text"],
         SCALE,
         BIAS,
-        negatives=x["neg"],
-        negatives_mask=nm,
-        audio_negatives=x["aneg"],
-        audio_negatives_mask=am,
+        hard_negatives=x["neg"],
+        hard_negatives_mask=nm,
+        audio_hard_negatives=x["aneg"],
+        audio_hard_negatives_mask=am,
         chunk_size=chunk,
     )
     want = ref_siglip(x["audio"], x["text"], x["neg"], nm, x["aneg"], am)
@@ -205,7 +205,11 @@ def test_siglip_scale_and_bias_gradients_with_negatives(chunk):
     x = _data(2)
     scale = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
     bias = torch.tensor(BIAS, dtype=torch.float64, requires_grad=True)
-    kw = {"negatives": x["neg"], "negatives_mask": x["neg_m"], "audio_negatives": x["aneg"]}
+    kw = {
+        "hard_negatives": x["neg"],
+        "hard_negatives_mask": x["neg_m"],
+        "audio_hard_negatives": x["aneg"],
+    }
     got = CF.siglip(x["audio"], x["text"], scale, bias, chunk_size=chunk, **kw)
     want = ref_siglip(x["audio"], x["text"], x["neg"], x["neg_m"], x["aneg"], None)
     # the reference's scale and bias are constants: compare d/dscale by finite difference
@@ -237,8 +241,8 @@ def test_kcl_matches_plain_loop(chunk, mode, masked):
         negatives=mode,
         hard_negatives=x["neg"],
         hard_negatives_mask=nm,
-        audio_negatives=x["aneg"],
-        audio_negatives_mask=am,
+        audio_hard_negatives=x["aneg"],
+        audio_hard_negatives_mask=am,
         chunk_size=chunk,
     )
     ref = ref_kcl if mode == "per_language" else ref_kcl_all
@@ -255,7 +259,7 @@ def test_kcl_absent_captions_stay_zero_with_negatives():
         TAU,
         mask=x["mask"],
         hard_negatives=x["neg"],
-        audio_negatives=x["aneg"],
+        audio_hard_negatives=x["aneg"],
         reduction="none",
     )
     assert bool((out[~x["mask"]] == 0).all())
@@ -278,11 +282,13 @@ def test_gradcheck_tiled_and_dense():
 
         def f(a, t, tk, n, an, bias, chunk=chunk):
             nce = CF.info_nce(
-                a, t, TAU, ids=ids, negatives=n, negatives_mask=nm, audio_negatives=an,
-                chunk_size=chunk,
+                a, t, TAU, ids=ids, hard_negatives=n, hard_negatives_mask=nm,
+                audio_hard_negatives=an, chunk_size=chunk,
             )  # fmt: skip
-            sig = CF.siglip(a, t, SCALE, bias, negatives=n, negatives_mask=nm, chunk_size=chunk)
-            kcl = CF.kcl(a, tk, TAU, hard_negatives=n, audio_negatives=an, chunk_size=chunk)
+            sig = CF.siglip(
+                a, t, SCALE, bias, hard_negatives=n, hard_negatives_mask=nm, chunk_size=chunk
+            )
+            kcl = CF.kcl(a, tk, TAU, hard_negatives=n, audio_hard_negatives=an, chunk_size=chunk)
             return nce + sig + kcl
 
         inputs = tuple(x.clone().requires_grad_() for x in (a, t, tk, n, an, bias))
@@ -299,9 +305,11 @@ def test_adding_a_negative_never_lowers_info_nce(seed, b, h):
     mask[0] = False
     more = mask.clone()
     more[0, 0] = True
-    kw = {"negatives": x["neg"].detach()}
-    fewer_loss = CF.info_nce(x["audio"].detach(), x["text"].detach(), negatives_mask=mask, **kw)
-    more_loss = CF.info_nce(x["audio"].detach(), x["text"].detach(), negatives_mask=more, **kw)
+    kw = {"hard_negatives": x["neg"].detach()}
+    fewer_loss = CF.info_nce(
+        x["audio"].detach(), x["text"].detach(), hard_negatives_mask=mask, **kw
+    )
+    more_loss = CF.info_nce(x["audio"].detach(), x["text"].detach(), hard_negatives_mask=more, **kw)
     assert float(more_loss) > float(fewer_loss)
 
 
@@ -312,7 +320,7 @@ def test_fully_masked_negatives_equal_none(seed, chunk):
     a, t = x["audio"], x["text"]
     off = torch.zeros(B, H, dtype=torch.bool)
     for fn in (CF.info_nce, CF.siglip):
-        got = fn(a, t, negatives=x["neg"], negatives_mask=off, chunk_size=chunk)
+        got = fn(a, t, hard_negatives=x["neg"], hard_negatives_mask=off, chunk_size=chunk)
         want = fn(a, t, chunk_size=chunk)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         ga, gt, gn = torch.autograd.grad(got, (a, t, x["neg"]))
@@ -327,8 +335,11 @@ def test_permuting_the_negatives_leaves_the_loss(seed, chunk):
     x = _data(seed)
     flat, m = x["neg"].detach().reshape(B * H, D), x["neg_m"].reshape(-1)
     perm = torch.randperm(B * H, generator=torch.Generator().manual_seed(seed))
-    shuffled = {"negatives": flat[perm].view(B, H, D), "negatives_mask": m[perm].view(B, H)}
-    kept = {"negatives": x["neg"].detach(), "negatives_mask": x["neg_m"]}
+    shuffled = {
+        "hard_negatives": flat[perm].view(B, H, D),
+        "hard_negatives_mask": m[perm].view(B, H),
+    }
+    kept = {"hard_negatives": x["neg"].detach(), "hard_negatives_mask": x["neg_m"]}
     a, t = x["audio"].detach(), x["text"].detach()
     for fn in (CF.info_nce, CF.siglip):
         got = fn(a, t, chunk_size=chunk, **shuffled)
@@ -342,7 +353,7 @@ def test_no_negative_columns_equal_none():
     empty = torch.zeros(B, 0, D, dtype=torch.float64)
     for chunk in (None, 2):
         for fn in (CF.info_nce, CF.siglip):
-            got = fn(a, t, negatives=empty, audio_negatives=empty, chunk_size=chunk)
+            got = fn(a, t, hard_negatives=empty, audio_hard_negatives=empty, chunk_size=chunk)
             torch.testing.assert_close(got, fn(a, t, chunk_size=chunk), rtol=1e-12, atol=0)
 
 
@@ -353,9 +364,9 @@ def test_half_precision_is_computed_in_float32(dtype):
     x = _data(14)
     half = [x[k].detach().to(dtype).requires_grad_() for k in ("audio", "text", "neg", "aneg")]
     wide = [h.detach().float().requires_grad_() for h in half]
-    kw = {"negatives_mask": x["neg_m"], "chunk_size": 2}
-    got = CF.info_nce(half[0], half[1], negatives=half[2], audio_negatives=half[3], **kw)
-    want = CF.info_nce(wide[0], wide[1], negatives=wide[2], audio_negatives=wide[3], **kw)
+    kw = {"hard_negatives_mask": x["neg_m"], "chunk_size": 2}
+    got = CF.info_nce(half[0], half[1], hard_negatives=half[2], audio_hard_negatives=half[3], **kw)
+    want = CF.info_nce(wide[0], wide[1], hard_negatives=wide[2], audio_hard_negatives=wide[3], **kw)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=0, atol=0)
     for gh, gw in zip(torch.autograd.grad(got, half), torch.autograd.grad(want, wide), strict=True):
@@ -370,12 +381,12 @@ def _rank_losses(gather: bool) -> dict:
     """name -> fn(data, rows): each loss with both sides' negatives (masked), dense and
     tiled."""
 
-    def kw(x, rows, key="negatives"):
+    def kw(x, rows, key="hard_negatives"):
         return {
             key: x["neg"][rows],
             f"{key}_mask": x["neg_m"][rows],
-            "audio_negatives": x["aneg"][rows],
-            "audio_negatives_mask": x["aneg_m"][rows],
+            "audio_hard_negatives": x["aneg"][rows],
+            "audio_hard_negatives_mask": x["aneg_m"][rows],
         }
 
     out = {}
@@ -468,13 +479,16 @@ def test_two_gloo_ranks_equal_one_process(rank_results, name):
 
 # rank r's call of each case: negatives on one rank only, another H, a mask on one rank only
 MISMATCHES = {
-    "given": lambda r, a, t, n: CF.info_nce(a, t, negatives=n if r == 0 else None),
-    "shape": lambda r, a, t, n: CF.siglip(a, t, negatives=n[:, : 1 + r]),
+    "given": lambda r, a, t, n: CF.info_nce(a, t, hard_negatives=n if r == 0 else None),
+    "shape": lambda r, a, t, n: CF.siglip(a, t, hard_negatives=n[:, : 1 + r]),
     "mask": lambda r, a, t, n: CF.info_nce(
-        a, t, negatives=n, negatives_mask=torch.ones(n.shape[:2], dtype=torch.bool) if r else None
+        a,
+        t,
+        hard_negatives=n,
+        hard_negatives_mask=torch.ones(n.shape[:2], dtype=torch.bool) if r else None,
     ),
     "audio": lambda r, a, t, n: CF.kcl(
-        a, t[:, None], hard_negatives=n, audio_negatives=n if r else None
+        a, t[:, None], hard_negatives=n, audio_hard_negatives=n if r else None
     ),
 }
 
@@ -502,7 +516,7 @@ def test_ranks_that_disagree_on_negatives_are_refused_not_hung(tmp_path):
     results = spawn_ranks(_mismatch_worker, tmp_path)
     expected = {
         "given": r"^hard negatives given \(text, audio\): differs across ranks",
-        "shape": r"^negatives: shape after the batch dim \(1, 4\) on rank 0 but \(2, 4\)",
+        "shape": r"^hard_negatives: shape after the batch dim \(1, 4\) on rank 0 but \(2, 4\)",
         "mask": r"^hard negatives' masks given \(text, audio\): differs across ranks",
         "audio": r"^hard negatives given \(text, audio\): differs across ranks",
     }
@@ -518,7 +532,7 @@ def test_svr_wrapping_info_nce_adds_its_term_to_the_base_with_negatives():
     """SVR forwards the keywords to the base; its term is on the in-batch pairs only."""
     x = _data(9)
     a, t = x["audio"].detach(), x["text"].detach()
-    kw = {"negatives": x["neg"].detach(), "negatives_mask": x["neg_m"]}
+    kw = {"hard_negatives": x["neg"].detach(), "hard_negatives_mask": x["neg_m"]}
     base = InfoNCELoss(TAU)
     torch.manual_seed(0)
     svr = SupportVectorRegularizer(base, radius="static", num_features=B).double()
@@ -545,7 +559,7 @@ def test_grad_cache_with_negatives_encoded_by_the_text_tower():
     audio_in, text_in = randn(g, B, 6), randn(g, B + B * H, 6)
 
     def loss_fn(a, t, **kw):
-        return CF.info_nce(a, t[:B], negatives=t[B:].view(B, H, -1), **kw)
+        return CF.info_nce(a, t[:B], hard_negatives=t[B:].view(B, H, -1), **kw)
 
     towers = [(_Tower(1), _Tower(2)), (_Tower(1), _Tower(2))]
     plain = loss_fn(towers[0][0](audio_in), towers[0][1](text_in), chunk_size=3)
@@ -575,14 +589,28 @@ def test_compiled_fullgraph_equals_eager(chunk):
         SigLIPLoss(learnable=False, chunk_size=chunk),
         KCLLoss(TAU, chunk_size=chunk),
     )
-    masks = {"audio_negatives_mask": x["aneg_m"]}
+    masks = {"audio_hard_negatives_mask": x["aneg_m"]}
 
     def step(a, t, t3, n, an):
         nce, sig, kcl = losses
         return (
-            nce(a, t, negatives=n, negatives_mask=x["neg_m"], audio_negatives=an, **masks)
-            + sig(a, t, negatives=n, negatives_mask=x["neg_m"], audio_negatives=an, **masks)
-            + kcl(a, t3, y["mask"], hard_negatives=n, audio_negatives=an, **masks)
+            nce(
+                a,
+                t,
+                hard_negatives=n,
+                hard_negatives_mask=x["neg_m"],
+                audio_hard_negatives=an,
+                **masks,
+            )
+            + sig(
+                a,
+                t,
+                hard_negatives=n,
+                hard_negatives_mask=x["neg_m"],
+                audio_hard_negatives=an,
+                **masks,
+            )
+            + kcl(a, t3, y["mask"], hard_negatives=n, audio_hard_negatives=an, **masks)
         )
 
     leaves = [x["audio"], x["text"], y["text"], x["neg"], x["aneg"]]
@@ -601,15 +629,39 @@ def test_compiled_fullgraph_equals_eager(chunk):
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
-        ({"negatives": torch.randn(B, H)}, ValueError, r"negatives: expected shape \(B, H, D\)"),
-        ({"negatives": torch.randn(B + 1, H, D)}, ValueError, "negatives.*batch size B"),
-        ({"negatives": torch.randn(B, H, D + 1)}, ValueError, "negatives.*embedding dim D"),
-        ({"negatives": torch.randn(B, H, D).double()}, (TypeError, ValueError), "negatives"),
-        ({"negatives": torch.ones(B, H, D, dtype=torch.long)}, TypeError, "negatives"),
-        ({"negatives": [[0.0]]}, TypeError, "negatives"),
-        ({"negatives_mask": torch.ones(B, H, dtype=torch.bool)}, ValueError, "without negatives"),
-        ({"audio_negatives": torch.full((B, H, D), float("nan"))}, ValueError, "audio_negatives"),
-        ({"audio_negatives": torch.zeros(B, H, D)}, ValueError, "audio_negatives.*all zeros"),
+        (
+            {"hard_negatives": torch.randn(B, H)},
+            ValueError,
+            r"hard_negatives: expected shape \(B, H, D\)",
+        ),
+        ({"hard_negatives": torch.randn(B + 1, H, D)}, ValueError, "hard_negatives.*batch size B"),
+        (
+            {"hard_negatives": torch.randn(B, H, D + 1)},
+            ValueError,
+            "hard_negatives.*embedding dim D",
+        ),
+        (
+            {"hard_negatives": torch.randn(B, H, D).double()},
+            (TypeError, ValueError),
+            "hard_negatives",
+        ),
+        ({"hard_negatives": torch.ones(B, H, D, dtype=torch.long)}, TypeError, "negatives"),
+        ({"hard_negatives": [[0.0]]}, TypeError, "negatives"),
+        (
+            {"hard_negatives_mask": torch.ones(B, H, dtype=torch.bool)},
+            ValueError,
+            "without negatives",
+        ),
+        (
+            {"audio_hard_negatives": torch.full((B, H, D), float("nan"))},
+            ValueError,
+            "audio_hard_negatives",
+        ),
+        (
+            {"audio_hard_negatives": torch.zeros(B, H, D)},
+            ValueError,
+            "audio_hard_negatives.*all zeros",
+        ),
     ],
 )
 def test_bad_negatives_are_refused_by_name(change, error, match):
@@ -622,15 +674,19 @@ def test_bad_negatives_are_refused_by_name(change, error, match):
 @pytest.mark.parametrize(
     ("mask", "error", "match"),
     [
-        (torch.ones(B, H + 1, dtype=torch.bool), ValueError, r"negatives_mask: expected shape"),
-        (torch.ones(B, H), TypeError, "negatives_mask: expected a bool tensor"),
-        ("yes", TypeError, "negatives_mask"),
+        (
+            torch.ones(B, H + 1, dtype=torch.bool),
+            ValueError,
+            r"hard_negatives_mask: expected shape",
+        ),
+        (torch.ones(B, H), TypeError, "hard_negatives_mask: expected a bool tensor"),
+        ("yes", TypeError, "hard_negatives_mask"),
     ],
 )
 def test_bad_masks_are_refused_by_name(mask, error, match):
     a, t, n = torch.randn(B, D), torch.randn(B, D), torch.randn(B, H, D)
     with pytest.raises(error, match=match):
-        CF.info_nce(a, t, negatives=n, negatives_mask=mask)
+        CF.info_nce(a, t, hard_negatives=n, hard_negatives_mask=mask)
     with pytest.raises(error, match="hard_" + match if isinstance(match, str) else match):
         CF.kcl(a, t[:, None], hard_negatives=n, hard_negatives_mask=mask)
 
@@ -641,6 +697,6 @@ def test_absent_negatives_may_be_zero_rows_and_overflow_is_refused():
     n[1, 2] = 0
     m = torch.ones(B, H, dtype=torch.bool)
     m[1, 2] = False
-    assert torch.isfinite(CF.info_nce(a, t, negatives=n, negatives_mask=m))
-    with pytest.raises(ValueError, match=r"negatives.*normalize=False"):
-        CF.info_nce(a, t, negatives=n * 1e37, normalize=False)
+    assert torch.isfinite(CF.info_nce(a, t, hard_negatives=n, hard_negatives_mask=m))
+    with pytest.raises(ValueError, match=r"hard_negatives.*normalize=False"):
+        CF.info_nce(a, t, hard_negatives=n * 1e37, normalize=False)

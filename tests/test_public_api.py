@@ -188,8 +188,8 @@ SIGNATURES = {
         "logit_scale: 'Tensor | None' = None, ids: 'Tensor | None' = None, normalize: 'bool' = "
         "True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = "
         "False, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None, "
-        "negatives: 'Tensor | None' = None, negatives_mask: 'Tensor | None' = None, "
-        "audio_negatives: 'Tensor | None' = None, audio_negatives_mask: 'Tensor | None' = "
+        "negatives: 'Tensor | None' = None, hard_negatives_mask: 'Tensor | None' = None, "
+        "audio_hard_negatives: 'Tensor | None' = None, audio_hard_negatives_mask: 'Tensor | None' = "
         "None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.kcl": (
@@ -198,8 +198,8 @@ SIGNATURES = {
         "'per_language', normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
         "None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, "
         "validate_args: 'bool | None' = None, hard_negatives: 'Tensor | None' = None, "
-        "hard_negatives_mask: 'Tensor | None' = None, audio_negatives: 'Tensor | None' = None, "
-        "audio_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' = None, "
+        "audio_hard_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.l2_normalize": (
         "(x: 'Tensor', norms: 'Tensor | None' = None) -> 'Tensor'"
@@ -215,8 +215,8 @@ SIGNATURES = {
         "= None, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
         "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int "
         "| None' = None, validate_args: 'bool | None' = None, negatives: 'Tensor | None' = "
-        "None, negatives_mask: 'Tensor | None' = None, audio_negatives: 'Tensor | None' = "
-        "None, audio_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' = "
+        "None, audio_hard_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.sinkhorn": (
         "(scores: 'Tensor', epsilon: 'float' = 0.05, max_iter: 'int' = 100, tol: 'float | None' = "
@@ -326,22 +326,22 @@ FORWARD_SIGNATURES = {
     "InfoNCELoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
         "'Tensor | None' = None, return_terms: 'bool' = False, negatives: 'Tensor | None' = "
-        "None, negatives_mask: 'Tensor | None' = None, audio_negatives: 'Tensor | None' = "
-        "None, audio_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
+        "None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' = "
+        "None, audio_hard_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
         "dict[str, Tensor]]'"
     ),
     "KCLLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', mask: 'Tensor | None' = None, *, logit_scale: "
         "'Tensor | None' = None, return_terms: 'bool' = False, hard_negatives: 'Tensor | None' "
-        "= None, hard_negatives_mask: 'Tensor | None' = None, audio_negatives: 'Tensor | None' "
-        "= None, audio_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
+        "= None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' "
+        "= None, audio_hard_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
         "dict[str, Tensor]]'"
     ),
     "SigLIPLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
         "'Tensor | None' = None, logit_bias: 'Tensor | None' = None, return_terms: 'bool' = "
-        "False, negatives: 'Tensor | None' = None, negatives_mask: 'Tensor | None' = None, "
-        "audio_negatives: 'Tensor | None' = None, audio_negatives_mask: 'Tensor | None' = "
+        "False, negatives: 'Tensor | None' = None, hard_negatives_mask: 'Tensor | None' = None, "
+        "audio_hard_negatives: 'Tensor | None' = None, audio_hard_negatives_mask: 'Tensor | None' = "
         "None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
     ),
     "SupportVectorRegularizer": (

@@ -110,7 +110,7 @@ def check_negatives(
     (:func:`_logit_range`). Under gather the ranks compare their dtypes, ``(H, D)`` and
     ``requires_grad`` (:meth:`Validation.agree`) and which of them are given."""
     normalize, validate, text_key = options
-    keys = (text_key, "audio_negatives")
+    keys = (text_key, "audio_hard_negatives")
     for (x, m), key in zip((text, audio), keys, strict=True):
         if x is None and m is not None:
             raise ValueError(f"{key}_mask: given without {key}")

@@ -47,10 +47,10 @@ def info_nce(
     return_terms: bool = False,
     chunk_size: int | None = None,
     validate_args: bool | None = None,
-    negatives: Tensor | None = None,
-    negatives_mask: Tensor | None = None,
-    audio_negatives: Tensor | None = None,
-    audio_negatives_mask: Tensor | None = None,
+    hard_negatives: Tensor | None = None,
+    hard_negatives_mask: Tensor | None = None,
+    audio_hard_negatives: Tensor | None = None,
+    audio_hard_negatives_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Symmetric InfoNCE (the CLIP / CLAP loss).
 
@@ -91,7 +91,7 @@ def info_nce(
             or under ``torch.compile``, only the static checks (shapes, dtypes, devices,
             arguments) run and a forward and backward make no host sync; under gather
             every rank must then hold the same batch size (see "Performance switches").
-        negatives: optional hard-negative texts ``(B, H, D)`` (e.g. mined captions of
+        hard_negatives: optional hard-negative texts ``(B, H, D)`` (e.g. mined captions of
             other clips), normalised as the batch. Every present negative of every row
             (and, gathered, of every rank) is an extra column of *every* a->t softmax,
             as in sentence-transformers' MultipleNegativesRankingLoss; negatives are
@@ -99,15 +99,15 @@ def info_nce(
             over them, its a->t loss becomes
             :math:`\log(e^{LSE_i} + e^{L_i}) - pos_i`, computed exactly as
             ``old_i + softplus(L_i - old_i - pos_i)`` (dense or tiled by ``chunk_size``).
-        negatives_mask: optional bool ``(B, H)``, ``True`` where ``negatives[i, h]``
+        hard_negatives_mask: optional bool ``(B, H)``, ``True`` where ``hard_negatives[i, h]``
             is present (absent ones may be zero rows; a row may have none).
-        audio_negatives: optional hard-negative audio ``(B, H', D)``: extra columns of
+        audio_hard_negatives: optional hard-negative audio ``(B, H', D)``: extra columns of
             every t->a softmax.
-        audio_negatives_mask: optional bool ``(B, H')`` for ``audio_negatives``.
+        audio_hard_negatives_mask: optional bool ``(B, H')`` for ``audio_hard_negatives``.
 
     Shape:
-        audio ``(B, D)``, text ``(B, D)``, ids ``(B,)``, negatives ``(B, H, D)``,
-        negatives_mask ``(B, H)``; output scalar or ``(B,)``.
+        audio ``(B, D)``, text ``(B, D)``, ids ``(B,)``, hard_negatives ``(B, H, D)``,
+        hard_negatives_mask ``(B, H)``; output scalar or ``(B,)``.
 
     Example:
         >>> import torch
@@ -131,9 +131,9 @@ def info_nce(
         neg = _hard_negatives.check_negatives(
             v,
             (audio, a, t),
-            (negatives, negatives_mask),
-            (audio_negatives, audio_negatives_mask),
-            (normalize, validate, "negatives"),
+            (hard_negatives, hard_negatives_mask),
+            (audio_hard_negatives, audio_hard_negatives_mask),
+            (normalize, validate, "hard_negatives"),
             scale,
         )
     dtype = audio.dtype  # of the loss; half inputs are computed in float32
@@ -215,10 +215,10 @@ class InfoNCELoss(_TemperatureMixin):
         *,
         logit_scale: Tensor | None = None,
         return_terms: bool = False,
-        negatives: Tensor | None = None,
-        negatives_mask: Tensor | None = None,
-        audio_negatives: Tensor | None = None,
-        audio_negatives_mask: Tensor | None = None,
+        hard_negatives: Tensor | None = None,
+        hard_negatives_mask: Tensor | None = None,
+        audio_hard_negatives: Tensor | None = None,
+        audio_hard_negatives_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         r"""The loss of one batch.
 
@@ -231,8 +231,8 @@ class InfoNCELoss(_TemperatureMixin):
                 refused when the temperature is learnable here.
             return_terms: also return the detached terms ``{"loss_a2t", "loss_t2a",
                 "temperature"}``.
-            negatives, negatives_mask, audio_negatives, audio_negatives_mask: hard
-                negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
+            hard_negatives, hard_negatives_mask, audio_hard_negatives, audio_hard_negatives_mask:
+                hard negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
                 every anchor's softmax (see :func:`~contrastive_losses.functional.info_nce`).
 
         Returns:
@@ -245,10 +245,10 @@ class InfoNCELoss(_TemperatureMixin):
             ids=ids,
             logit_scale=logit_scale,
             return_terms=return_terms,
-            negatives=negatives,
-            negatives_mask=negatives_mask,
-            audio_negatives=audio_negatives,
-            audio_negatives_mask=audio_negatives_mask,
+            hard_negatives=hard_negatives,
+            hard_negatives_mask=hard_negatives_mask,
+            audio_hard_negatives=audio_hard_negatives,
+            audio_hard_negatives_mask=audio_hard_negatives_mask,
         )
 
     def contrastive_pairs(

@@ -91,8 +91,8 @@ def kcl(
     validate_args: bool | None = None,
     hard_negatives: Tensor | None = None,
     hard_negatives_mask: Tensor | None = None,
-    audio_negatives: Tensor | None = None,
-    audio_negatives_mask: Tensor | None = None,
+    audio_hard_negatives: Tensor | None = None,
+    audio_hard_negatives_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""1-to-K contrastive loss (KCL, ATRI Eq. 9–11): one audio, K captions in K languages.
 
@@ -151,9 +151,9 @@ def kcl(
             :math:`L_i` the log-sum-exp of audio :math:`i`'s logits over them, computed
             as ``old + softplus(L_i - old - pos)``; absent captions stay 0.
         hard_negatives_mask: optional bool ``(B, H)``, ``True`` where present.
-        audio_negatives: optional hard-negative audio ``(B, H', D)``: extra columns of
+        audio_hard_negatives: optional hard-negative audio ``(B, H', D)``: extra columns of
             every present caption's t->a softmax.
-        audio_negatives_mask: optional bool ``(B, H')`` for ``audio_negatives``.
+        audio_hard_negatives_mask: optional bool ``(B, H')`` for ``audio_hard_negatives``.
 
     Shape:
         audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``, hard_negatives
@@ -194,7 +194,7 @@ def kcl(
             v,
             (audio, a, t_raw.flatten(0, 1)),
             (hard_negatives, hard_negatives_mask),
-            (audio_negatives, audio_negatives_mask),
+            (audio_hard_negatives, audio_hard_negatives_mask),
             (normalize, validate, "hard_negatives"),
             scale,
         )
@@ -455,8 +455,8 @@ class KCLLoss(_TemperatureMixin):
         return_terms: bool = False,
         hard_negatives: Tensor | None = None,
         hard_negatives_mask: Tensor | None = None,
-        audio_negatives: Tensor | None = None,
-        audio_negatives_mask: Tensor | None = None,
+        audio_hard_negatives: Tensor | None = None,
+        audio_hard_negatives_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         r"""The loss of one batch.
 
@@ -469,8 +469,8 @@ class KCLLoss(_TemperatureMixin):
                 temperature is learnable here.
             return_terms: also return the detached terms (``loss_a2t``, ``loss_t2a``,
                 ``temperature``, ...; see :func:`~contrastive_losses.functional.kcl`).
-            hard_negatives, hard_negatives_mask, audio_negatives, audio_negatives_mask: hard
-                negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
+            hard_negatives, hard_negatives_mask, audio_hard_negatives, audio_hard_negatives_mask:
+                hard negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
                 every anchor's softmax (see :func:`~contrastive_losses.functional.kcl`).
 
         Returns:
@@ -486,8 +486,8 @@ class KCLLoss(_TemperatureMixin):
             return_terms=return_terms,
             hard_negatives=hard_negatives,
             hard_negatives_mask=hard_negatives_mask,
-            audio_negatives=audio_negatives,
-            audio_negatives_mask=audio_negatives_mask,
+            audio_hard_negatives=audio_hard_negatives,
+            audio_hard_negatives_mask=audio_hard_negatives_mask,
         )
 
     def contrastive_pairs(

@@ -126,10 +126,10 @@ def siglip(
     return_terms: bool = False,
     chunk_size: int | None = None,
     validate_args: bool | None = None,
-    negatives: Tensor | None = None,
-    negatives_mask: Tensor | None = None,
-    audio_negatives: Tensor | None = None,
-    audio_negatives_mask: Tensor | None = None,
+    hard_negatives: Tensor | None = None,
+    hard_negatives_mask: Tensor | None = None,
+    audio_hard_negatives: Tensor | None = None,
+    audio_hard_negatives_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Pairwise sigmoid loss (SigLIP, Zhai et al. 2023).
 
@@ -165,20 +165,20 @@ def siglip(
             those of ``scale`` and ``bias`` included).
         validate_args: value checks on, off (no host sync) or ``None`` (the global
             default), as in :func:`~contrastive_losses.functional.info_nce`.
-        negatives: optional hard-negative texts ``(B, H, D)``, normalised as the batch:
+        hard_negatives: optional hard-negative texts ``(B, H, D)``, normalised as the batch:
             every present one (of every row and, gathered, of every rank) adds the
             negative-label pair term
             :math:`\operatorname{softplus}(c\langle a_i, n\rangle + b)` to every audio
             anchor's row; counted like the in-batch pairs (``"mean"`` still divides by
             the global batch size ``B``). Never anchors themselves.
-        negatives_mask: optional bool ``(B, H)``, ``True`` where present.
-        audio_negatives: optional hard-negative audio ``(B, H', D)``: the pair term
+        hard_negatives_mask: optional bool ``(B, H)``, ``True`` where present.
+        audio_hard_negatives: optional hard-negative audio ``(B, H', D)``: the pair term
             :math:`\operatorname{softplus}(c\langle m, t_i\rangle + b)` of every audio
             negative :math:`m` with every text :math:`t_i`, added to row :math:`i`.
-        audio_negatives_mask: optional bool ``(B, H')`` for ``audio_negatives``.
+        audio_hard_negatives_mask: optional bool ``(B, H')`` for ``audio_hard_negatives``.
 
     Shape:
-        audio ``(B, D)``, text ``(B, D)``, negatives ``(B, H, D)``, negatives_mask
+        audio ``(B, D)``, text ``(B, D)``, hard_negatives ``(B, H, D)``, hard_negatives_mask
         ``(B, H)``; output scalar or ``(B,)``.
 
     Example:
@@ -211,9 +211,9 @@ def siglip(
         neg = _hard_negatives.check_negatives(
             v,
             (audio, a, t),
-            (negatives, negatives_mask),
-            (audio_negatives, audio_negatives_mask),
-            (normalize, validate, "negatives"),
+            (hard_negatives, hard_negatives_mask),
+            (audio_hard_negatives, audio_hard_negatives_mask),
+            (normalize, validate, "hard_negatives"),
             scale,
             bias,
         )
@@ -401,10 +401,10 @@ class SigLIPLoss(_LossSettings):
         logit_scale: Tensor | None = None,
         logit_bias: Tensor | None = None,
         return_terms: bool = False,
-        negatives: Tensor | None = None,
-        negatives_mask: Tensor | None = None,
-        audio_negatives: Tensor | None = None,
-        audio_negatives_mask: Tensor | None = None,
+        hard_negatives: Tensor | None = None,
+        hard_negatives_mask: Tensor | None = None,
+        audio_hard_negatives: Tensor | None = None,
+        audio_hard_negatives_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """The loss of one batch.
 
@@ -418,8 +418,8 @@ class SigLIPLoss(_LossSettings):
                 Module's bias. Both are refused when this Module learns its own
                 (``learnable=True``, the default): build it with ``learnable=False``.
             return_terms: also return the detached terms ``{"scale", "bias"}``.
-            negatives, negatives_mask, audio_negatives, audio_negatives_mask: hard
-                negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
+            hard_negatives, hard_negatives_mask, audio_hard_negatives, audio_hard_negatives_mask:
+                hard negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
                 every anchor's softmax (see :func:`~contrastive_losses.functional.siglip`).
 
         Returns:
@@ -443,10 +443,10 @@ class SigLIPLoss(_LossSettings):
             text,
             ids=ids,
             return_terms=return_terms,
-            negatives=negatives,
-            negatives_mask=negatives_mask,
-            audio_negatives=audio_negatives,
-            audio_negatives_mask=audio_negatives_mask,
+            hard_negatives=hard_negatives,
+            hard_negatives_mask=hard_negatives_mask,
+            audio_hard_negatives=audio_hard_negatives,
+            audio_hard_negatives_mask=audio_hard_negatives_mask,
             **scale,
             **bias,
             **self._settings(),
