@@ -650,7 +650,7 @@ def test_compiled_fullgraph_equals_eager(chunk):
         (
             {"hard_negatives_mask": torch.ones(B, H, dtype=torch.bool)},
             ValueError,
-            "without negatives",
+            "given without hard_negatives",
         ),
         (
             {"audio_hard_negatives": torch.full((B, H, D), float("nan"))},
@@ -687,7 +687,7 @@ def test_bad_masks_are_refused_by_name(mask, error, match):
     a, t, n = torch.randn(B, D), torch.randn(B, D), torch.randn(B, H, D)
     with pytest.raises(error, match=match):
         CF.info_nce(a, t, hard_negatives=n, hard_negatives_mask=mask)
-    with pytest.raises(error, match="hard_" + match if isinstance(match, str) else match):
+    with pytest.raises(error, match=match):
         CF.kcl(a, t[:, None], hard_negatives=n, hard_negatives_mask=mask)
 
 

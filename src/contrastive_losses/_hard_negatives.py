@@ -105,7 +105,7 @@ def check_negatives(
     """Validate a call's hard negatives ``text`` and ``audio`` (each ``(negatives,
     mask)``) against the ``anchors``: the raw audio ``(B, D)`` as given, then the
     validated audio and text; ``options`` = (normalize, validate, the text side's
-    keyword: ``negatives``, KCL's ``hard_negatives``). ``None`` when none is given.
+    keyword, ``hard_negatives``). ``None`` when none is given.
     With ``normalize=False`` their logits' range is checked as the batch's
     (:func:`_logit_range`). Under gather the ranks compare their dtypes, ``(H, D)`` and
     ``requires_grad`` (:meth:`Validation.agree`) and which of them are given."""
