@@ -182,7 +182,7 @@ def _assert_matches_reference(ours, reference, inputs, rule: Rule) -> None:
     (loss, terms), grads = _grads(ours, *inputs)
     expected, expected_grads = _grads(reference, *inputs)
     torch.testing.assert_close(loss, expected, rtol=1e-9, atol=1e-12)
-    for got, want in zip(grads, expected_grads):
+    for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-12)
     assert 0 < rule.fraction < 1, "the data must exclude some negatives, not all"
     assert terms["guide_masked"].item() == pytest.approx(rule.fraction, abs=1e-12)
@@ -283,7 +283,7 @@ def test_gradcheck_tiled_and_dense(loss: str) -> None:
             kwargs["mask"] = data["mask"][:, :2] | torch.eye(4, 2, dtype=torch.bool)
         a = data["audio"].clone().requires_grad_()
         t = text.clone().requires_grad_()
-        assert torch.autograd.gradcheck(lambda a, t: fn(a, t, **kwargs), (a, t))
+        assert torch.autograd.gradcheck(lambda a, t, kw=kwargs: fn(a, t, **kw), (a, t))
 
 
 # --------------------------------------------------------------------------- properties
@@ -461,7 +461,7 @@ def test_fullgraph_compile_equals_eager(loss: str, chunk) -> None:
         out, terms = fn(a, t, guide=guide, return_terms=True)
         out.backward()
         results.append((out.detach(), terms["guide_masked"], a.grad, t.grad))
-    for eager, compiled in zip(*results):
+    for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     assert 0 < results[0][1] < 1
 
@@ -502,7 +502,8 @@ def test_grad_cache_passes_the_guide(chunk) -> None:
     got = GradCache(loss_fn, chunk_size=3)(audio_enc, x_a, text_enc, x_t, guide=guide)
     torch.testing.assert_close(got, plain.detach())
     assert not torch.allclose(plain, loss_fn(audio_enc(x_a), text_enc(x_t)))
-    for p, want in zip((*audio_enc.parameters(), *text_enc.parameters()), expected):
+    params = (*audio_enc.parameters(), *text_enc.parameters())
+    for p, want in zip(params, expected, strict=True):
         torch.testing.assert_close(p.grad, want)
 
 

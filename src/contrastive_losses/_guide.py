@@ -175,8 +175,8 @@ def tile_positives(
 
 
 def tile_masks(tiles: Tiles, c0: int, c1: int, positives: Tensor) -> tuple[Tensor, Tensor]:
-    """The excluded entries ``(b, c)`` of columns ``[c0, c1)``: for the rows' anchors
-    (:math:`G_{ij} > \\theta_i`) and for the columns' (:math:`G_{ij} > \\theta_j`), the
+    r"""The excluded entries ``(b, c)`` of columns ``[c0, c1)``: for the rows' anchors
+    (:math:`G_{ij} > \theta_i`) and for the columns' (:math:`G_{ij} > \theta_j`), the
     same tensor when the column thresholds are ``None``; never a positive."""
     rows, cols, row_thr, col_thr = tiles
     g = rows @ cols[c0:c1].T  # (b, c), the guide tile
@@ -230,9 +230,7 @@ def fraction(
         weight = _valid_count(row_valid, col_valid, b, c0, c1, rows.device).to(rows.dtype)  # (b, c)
         if either:
             row = col = row | col
-        counts += torch.stack(
-            [(weight * row).sum(), (weight * col).sum(), (weight * ~pos).sum()]
-        )
+        counts += torch.stack([(weight * row).sum(), (weight * col).sum(), (weight * ~pos).sum()])
     if gather:
         counts = all_gather_no_grad(counts[None], equal_sizes=True).sum(0)
     return (counts[0] + counts[1]) / (2 * counts[2]).clamp_min(1)
@@ -253,7 +251,7 @@ def _valid_count(
     return (row_valid[:, :, None] & col_valid[:, None, c0:c1]).long().sum(0)
 
 
-def call_settings(module: Any, guide: object) -> dict[str, object]:
+def call_settings(module: Any, guide: object) -> dict[str, Any]:
     """A loss Module's guide keywords for its functional form (none without a guide, so
     a call without one is the call it was)."""
     if guide is None:
@@ -263,4 +261,3 @@ def call_settings(module: Any, guide: object) -> dict[str, object]:
         "guide_margin": getattr(module, "guide_margin", 0.0),  # a pickle from before
         "guide_strategy": getattr(module, "guide_strategy", "absolute"),
     }
-

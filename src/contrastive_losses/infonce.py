@@ -205,9 +205,7 @@ class InfoNCELoss(_TemperatureMixin):
         super().__init__()
         self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
-        self.guide_margin, self.guide_strategy = _guide.check_settings(
-            guide_margin, guide_strategy
-        )
+        self.guide_margin, self.guide_strategy = _guide.check_settings(guide_margin, guide_strategy)
 
     @counted_call
     def forward(

@@ -490,9 +490,7 @@ class KCLLoss(_TemperatureMixin):
     ) -> None:
         super().__init__()
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
-        self.guide_margin, self.guide_strategy = _guide.check_settings(
-            guide_margin, guide_strategy
-        )
+        self.guide_margin, self.guide_strategy = _guide.check_settings(guide_margin, guide_strategy)
         self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
         self.negatives = negatives

@@ -344,9 +344,7 @@ class SigLIPLoss(_LossSettings):
     ) -> None:
         super().__init__()
         _refuse_trainable(scale_init, "scale_init", "learnable=True")
-        self.guide_margin, self.guide_strategy = _guide.check_settings(
-            guide_margin, guide_strategy
-        )
+        self.guide_margin, self.guide_strategy = _guide.check_settings(guide_margin, guide_strategy)
         _refuse_trainable(bias_init, "bias_init", "learnable=True")
         _checks.check_positive(scale_init, "scale_init")
         _checks.resolve_validate(validate_args)  # the type
