@@ -117,24 +117,43 @@ class _SymmetricDiagonalCE(torch.autograd.Function):
     Returns ``(row_losses, column_losses)``, each ``(K, B)``: row ``j`` against its row,
     column ``i`` against its column. One backward pass writes the gradient of both into a
     single buffer; autograd's path (two ``logsumexp`` and two ``diagonal`` backwards)
-    materialises four ``(K, B, B)`` tensors.
+    materialises four ``(K, B, B)`` tensors. ``excluded`` (optional): ``(B, B)`` masks of
+    the entries that leave the rows' and the columns' log-sum-exp (the guide's,
+    :mod:`._guide`; one tensor when they agree).
     """
 
     @staticmethod
-    def forward(ctx, scores: Tensor) -> tuple[Tensor, Tensor]:
-        lse_rows = scores.logsumexp(dim=-1)  # (K, B)
-        lse_cols = scores.logsumexp(dim=-2)  # (K, B)
+    def forward(
+        ctx, scores: Tensor, excluded: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        rows, cols = _excluded_scores(scores, excluded)
+        lse_rows = rows.logsumexp(dim=-1)  # (K, B)
+        lse_cols = cols.logsumexp(dim=-2)  # (K, B)
         diag = scores.diagonal(dim1=1, dim2=2)  # (K, B)
-        ctx.save_for_backward(scores, lse_rows, lse_cols)
+        ctx.save_for_backward(scores, lse_rows, lse_cols, *(excluded or (None, None)))
         return lse_rows - diag, lse_cols - diag
 
     @staticmethod
-    def backward(ctx, g_rows: Tensor, g_cols: Tensor) -> Tensor:
-        scores, lse_rows, lse_cols = ctx.saved_tensors
-        grad = (scores - lse_rows.unsqueeze(-1)).exp_().mul_(g_rows.unsqueeze(-1))
-        grad.add_((scores - lse_cols.unsqueeze(-2)).exp_().mul_(g_cols.unsqueeze(-2)))
+    def backward(ctx, g_rows: Tensor, g_cols: Tensor) -> tuple[Tensor, None]:
+        scores, lse_rows, lse_cols, ex_rows, ex_cols = ctx.saved_tensors
+        excluded = None if ex_rows is None else (ex_rows, ex_cols)
+        rows, cols = _excluded_scores(scores, excluded)
+        grad = (rows - lse_rows.unsqueeze(-1)).exp_().mul_(g_rows.unsqueeze(-1))
+        grad.add_((cols - lse_cols.unsqueeze(-2)).exp_().mul_(g_cols.unsqueeze(-2)))
         grad.diagonal(dim1=1, dim2=2).sub_(g_rows + g_cols)
-        return grad
+        return grad, None
+
+
+def _excluded_scores(
+    scores: Tensor, excluded: tuple[Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor]:
+    """``scores`` for the rows' and the columns' log-sum-exp, the dtype's finite minimum
+    at the excluded entries (the dense paths' fill: NaN-free in backward)."""
+    if excluded is None:
+        return scores, scores
+    low = torch.finfo(scores.dtype).min
+    rows = scores.masked_fill(excluded[0], low)
+    return rows, rows if excluded[1] is excluded[0] else scores.masked_fill(excluded[1], low)
 
 
 class _Gram(torch.autograd.Function):

@@ -198,7 +198,7 @@ def kcl(
     # normalises fine). With the checks off nothing is read (no sync), so the captions
     # are normalised first, as every other loss does: the same value as checks on.
     fused = normalize and not enabled and negatives == "per_language" and moderate
-    fused = fused and chunk_size is None and gd is None
+    fused = fused and chunk_size is None
     # Half inputs are computed in float32 and the loss returned in their dtype (autograd
     # casts the gradients back): the sums over B*K pairs overflow float16 long before the
     # float64 loss, as do the fused path's unnormalised scores t @ a.T and its 1/||t||^2
@@ -224,10 +224,10 @@ def kcl(
     if gd is not None:  # positives on the diagonal in both orientations
         own = _diagonal_mask(a.shape[0], a_all.shape[0], offset, a.device)
         excluded = _guide.dense_masks(gd, own)
-    if negatives == "per_language" and (enabled or gd is not None):
+    if negatives == "per_language" and enabled:
         a2t, t2a = _per_language_gathered(a, t, m, glob, excluded)
     elif negatives == "per_language":
-        a2t, t2a = _per_language_local(a, t, m, text_norms if fused else None)
+        a2t, t2a = _per_language_local(a, t, m, text_norms if fused else None, excluded)
     else:
         a2t, t2a = _all_languages(a, t, m, glob, excluded)
     masked = _guide_masked(gd, m, m_all, negatives, batch, chunk_size, return_terms, k)
@@ -364,9 +364,9 @@ def _per_language_gathered(
     glob: _Global,
     excluded: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Eq. 9-10 under gather (or with a guide): this rank's ``(b, K)`` a->t and t->a
-    losses, each row against the global batch of its language; ``a`` is already divided
-    by the temperature. ``excluded``: the guide's ``(b, N)`` a->t and t->a masks."""
+    """Eq. 9-10 under gather: this rank's ``(b, K)`` a->t and t->a losses, each row
+    against the global batch of its language; ``a`` is already divided by the
+    temperature. ``excluded``: the guide's ``(b, N)`` a->t and t->a masks."""
     a_all, t_all, m_all, offset = glob
     b, k_langs, dim = t.shape
     row_mask = None if m is None else m.T  # (K, b)
@@ -385,11 +385,16 @@ def _per_language_gathered(
 
 
 def _per_language_local(
-    a: Tensor, t: Tensor, m: Tensor | None, text_norms: Tensor | None
+    a: Tensor,
+    t: Tensor,
+    m: Tensor | None,
+    text_norms: Tensor | None,
+    excluded: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Eq. 9-10 on one process: the ``(B, K)`` a->t and t->a losses from one GEMM and
     one fused cross-entropy of both directions. With ``text_norms`` the captions ``t``
-    are raw and normalised through the scores (the fast path)."""
+    are raw and normalised through the scores (the fast path). ``excluded``: the guide's
+    ``(B, B)`` a->t and t->a masks."""
     b, k_langs, dim = t.shape
     row_mask = None if m is None else m.T  # (K, b)
     # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
@@ -403,7 +408,10 @@ def _per_language_local(
     if row_mask is not None:  # absent captions leave rows and columns alike
         valid = row_mask[:, :, None] & row_mask[:, None, :]  # (K, B, B)
         t2a_scores = t2a_scores.masked_fill(~valid, torch.finfo(t2a_scores.dtype).min)
-    t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores)  # (K, B) each
+    if excluded is not None:  # the scores are t->a: its rows are the captions' anchors
+        a2t_ex = excluded[0].T
+        excluded = (a2t_ex, a2t_ex) if excluded[1] is excluded[0] else (excluded[1], a2t_ex)
+    t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores, excluded)  # (K, B) each
     if row_mask is not None:
         t2a_k, a2t_k = t2a_k * row_mask, a2t_k * row_mask
     return a2t_k.T, t2a_k.T  # (B, K)
