@@ -259,8 +259,8 @@ def test_kcl_equals_reference(form, strategy, negatives, chunk) -> None:
 
 
 def test_kcl_without_a_mask_and_the_module_forward() -> None:
-    """The fused one-process path is left for the guided one; the Module passes its
-    settings (margin, strategy) through."""
+    """The fused one-process path (captions normalised through the scores) with the
+    guide's two masks; the Module passes its settings (margin, strategy) through."""
     data = _data(3)
     guide = _guide(data, "pair")
     rule = Rule(guide, 0.2, "relative")
@@ -567,6 +567,17 @@ def test_guide_gets_no_gradient_and_is_normalised() -> None:
     scaled = CF.info_nce(data["audio"], data["text"], guide=ga.detach() * 7.0, guide_margin=0.5)
     torch.testing.assert_close(scaled, loss.detach())
     assert not torch.allclose(loss, CF.info_nce(data["audio"], data["text"]))
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_checks_off_give_the_same_loss(chunk) -> None:
+    data = _data(13)
+    guide = _guide(data, "pair")
+    kwargs = {"guide": guide, "guide_margin": 0.15, "chunk_size": chunk, "return_terms": True}
+    on, terms_on = CF.info_nce(data["audio"], data["text"], **kwargs)
+    off, terms_off = CF.info_nce(data["audio"], data["text"], validate_args=False, **kwargs)
+    torch.testing.assert_close(off, on, rtol=0, atol=0)
+    torch.testing.assert_close(terms_off["guide_masked"], terms_on["guide_masked"])
 
 
 def test_half_inputs_take_a_float32_guide() -> None:
