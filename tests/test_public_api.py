@@ -111,16 +111,18 @@ SIGNATURES = {
         "ForwardRef('Tensor | None') = None)"
     ),
     "contrastive_losses.InfoNCELoss": (
-        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, max_logit_scale: "
-        "'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
-        "None' = None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
-        "'None'"
+        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
+        "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None, "
+        "validate_args: 'bool | None' = None, guide_margin: 'float' = 0.0, guide_strategy: "
+        "'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.KCLLoss": (
         "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
         "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: "
-        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int "
-        "| None' = None, validate_args: 'bool | None' = None) -> 'None'"
+        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: "
+        "'int | None' = None, validate_args: 'bool | None' = None, guide_margin: 'float' = "
+        "0.0, guide_strategy: 'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.KnowledgeBank": (
         "(dim: 'int', backend: 'str' = 'auto', num_prototypes: 'int' = 512, *, dtype:"
@@ -133,9 +135,10 @@ SIGNATURES = {
         "validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.SigLIPLoss": (
-        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = True, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
-        "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'None'"
+        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = "
+        "True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+        "None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None, "
+        "guide_margin: 'float' = 0.0, guide_strategy: 'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.SupportVectorRegularizer": (
         "(base: 'nn.Module', radius: 'str | float' = 'dynamic', direction: 'str' = 'bi', alpha: "
@@ -188,9 +191,10 @@ SIGNATURES = {
         "logit_scale: 'Tensor | None' = None, ids: 'Tensor | None' = None, normalize: 'bool' = "
         "True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = "
         "False, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None, "
-        "negatives: 'Tensor | None' = None, hard_negatives_mask: 'Tensor | None' = None, "
-        "audio_hard_negatives: 'Tensor | None' = None, audio_hard_negatives_mask: 'Tensor | None' = "
-        "None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "hard_negatives: 'Tensor | None' = None, hard_negatives_mask: 'Tensor | None' = None, "
+        "audio_hard_negatives: 'Tensor | None' = None, audio_hard_negatives_mask: 'Tensor | "
+        "None' = None, guide: 'Tensor | tuple[Tensor, Tensor] | None' = None, guide_margin: "
+        "'float' = 0.0, guide_strategy: 'str' = 'absolute') -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.kcl": (
         "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
@@ -198,8 +202,10 @@ SIGNATURES = {
         "'per_language', normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
         "None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, "
         "validate_args: 'bool | None' = None, hard_negatives: 'Tensor | None' = None, "
-        "hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' = None, "
-        "audio_hard_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' = "
+        "None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
+        "tuple[Tensor, Tensor] | None' = None, guide_margin: 'float' = 0.0, guide_strategy: "
+        "'str' = 'absolute') -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.l2_normalize": (
         "(x: 'Tensor', norms: 'Tensor | None' = None) -> 'Tensor'"
@@ -211,12 +217,14 @@ SIGNATURES = {
     ),
     "contrastive_losses.functional.siglip": (
         "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float | "
-        "Tensor' = -10.0, *, logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' "
-        "= None, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
-        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int "
-        "| None' = None, validate_args: 'bool | None' = None, negatives: 'Tensor | None' = "
-        "None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' = "
-        "None, audio_hard_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "Tensor' = -10.0, *, logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' ="
+        " None, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int |"
+        " None' = None, validate_args: 'bool | None' = None, hard_negatives: 'Tensor | None' = "
+        "None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | "
+        "None' = None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
+        "tuple[Tensor, Tensor] | None' = None, guide_margin: 'float' = 0.0, guide_strategy: "
+        "'str' = 'absolute') -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.sinkhorn": (
         "(scores: 'Tensor', epsilon: 'float' = 0.05, max_iter: 'int' = 100, tol: 'float | None' = "
@@ -251,21 +259,24 @@ SIGNATURES = {
         "ForwardRef('Tensor | None') = None)"
     ),
     "contrastive_losses.losses.InfoNCELoss": (
-        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, max_logit_scale: "
-        "'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
-        "None' = None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
-        "'None'"
+        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
+        "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None, "
+        "validate_args: 'bool | None' = None, guide_margin: 'float' = 0.0, guide_strategy: "
+        "'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.losses.KCLLoss": (
         "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
         "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: "
-        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int "
-        "| None' = None, validate_args: 'bool | None' = None) -> 'None'"
+        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: "
+        "'int | None' = None, validate_args: 'bool | None' = None, guide_margin: 'float' = "
+        "0.0, guide_strategy: 'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.losses.SigLIPLoss": (
-        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = True, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
-        "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'None'"
+        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = "
+        "True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+        "None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None, "
+        "guide_margin: 'float' = 0.0, guide_strategy: 'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.metrics.audio_text_retrieval": (
         "(audio: 'Tensor', text: 'Tensor', *, k: 'Sequence[int]' = (1, 5, 10), map_k:"
@@ -325,24 +336,25 @@ FORWARD_SIGNATURES = {
     ),
     "InfoNCELoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
-        "'Tensor | None' = None, return_terms: 'bool' = False, negatives: 'Tensor | None' = "
-        "None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' = "
-        "None, audio_hard_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
-        "dict[str, Tensor]]'"
+        "'Tensor | None' = None, return_terms: 'bool' = False, hard_negatives: 'Tensor | None' "
+        "= None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | "
+        "None' = None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
+        "tuple[Tensor, Tensor] | None' = None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
     ),
     "KCLLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', mask: 'Tensor | None' = None, *, logit_scale: "
         "'Tensor | None' = None, return_terms: 'bool' = False, hard_negatives: 'Tensor | None' "
-        "= None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' "
-        "= None, audio_hard_negatives_mask: 'Tensor | None' = None) -> 'Tensor | tuple[Tensor, "
-        "dict[str, Tensor]]'"
+        "= None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | "
+        "None' = None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
+        "tuple[Tensor, Tensor] | None' = None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
     ),
     "SigLIPLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
         "'Tensor | None' = None, logit_bias: 'Tensor | None' = None, return_terms: 'bool' = "
-        "False, negatives: 'Tensor | None' = None, hard_negatives_mask: 'Tensor | None' = None, "
-        "audio_hard_negatives: 'Tensor | None' = None, audio_hard_negatives_mask: 'Tensor | None' = "
-        "None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
+        "False, hard_negatives: 'Tensor | None' = None, hard_negatives_mask: 'Tensor | None' = "
+        "None, audio_hard_negatives: 'Tensor | None' = None, audio_hard_negatives_mask: 'Tensor"
+        " | None' = None, guide: 'Tensor | tuple[Tensor, Tensor] | None' = None) -> 'Tensor | "
+        "tuple[Tensor, dict[str, Tensor]]'"
     ),
     "SupportVectorRegularizer": (
         "(self, *args: 'Any', logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' "
