@@ -10,6 +10,7 @@ and the support-vector regulariser around any of them.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -58,7 +59,7 @@ def _check_dims(dims: object) -> tuple[int, ...]:
         if d < 1:
             raise ValueError(f"dims: every dim must be >= 1, got {d} in {list(dims)}")
     out = tuple(int(d) for d in dims)
-    if any(a <= b for a, b in zip(out, out[1:], strict=False)):
+    if any(a <= b for a, b in itertools.pairwise(out)):
         raise ValueError(f"dims: must be strictly decreasing (largest first), got {list(out)}")
     return out
 
@@ -207,7 +208,7 @@ class MatryoshkaLoss(nn.Module):
     def _prefix(self, x: Tensor, d: int) -> Tensor:
         """The first ``d`` features of ``x``, unit rows where the base does not normalise
         (``F.normalize``: a zero row, an absent caption, stays zero)."""
-        p = x[..., :d]
+        p = x if d == x.shape[-1] else x[..., :d]  # the whole row: no slice to back through
         return F.normalize(p, dim=-1) if self._normalize_prefix else p
 
     def _check_widths(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

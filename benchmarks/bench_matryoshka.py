@@ -1,0 +1,135 @@
+"""MatryoshkaLoss cost at loss level: fwd+bwd time with 4 nested dims as a ratio to its
+base loss on the full dim alone, measured in the same run (CPU).
+
+    python benchmarks/bench_matryoshka.py [--runs 25] [--warmup 2] [--threads 1] [--quick]
+
+Base and wrapper are timed alternately (base, matryoshka, matryoshka, base, ...) so that
+load from other processes hits both alike; ``time_ratio`` is the median of the per-pair
+ratios, with its quartiles, and ``time_ratio_fast`` the ratio of the 10th-percentile
+times. Writes ``benchmarks/results/matryoshka.json`` (``--quick``: 5 runs, 0.2 s
+warm-up, into ``results/quick/matryoshka.json``).
+
+Cost model: with ``dims = (D, D/2, D/4, D/8)`` the prefixes' matmuls are
+``1 + 1/2 + 1/4 + 1/8 = 1.875`` of the full one's; the (B, B) softmaxes and the fixed
+per-call costs (checks, normalisation) are paid once per dim, so the ratio rises above
+1.875 where the matmuls do not dominate. Target: <= 2 at B = 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import markdown_table, paired_times, write_results
+
+from contrastive_losses import InfoNCELoss, KCLLoss, MatryoshkaLoss, SigLIPLoss
+
+D = 1024
+K = 4
+B = 256
+DIMS = (D, D // 2, D // 4, D // 8)
+BASES: dict[str, Callable[[], torch.nn.Module]] = {
+    "info_nce": InfoNCELoss,
+    "siglip": SigLIPLoss,
+    f"kcl_k{K}": KCLLoss,
+}
+
+
+def _step(loss_fn: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+    def step() -> None:
+        for x in inputs:
+            x.grad = None
+        loss_fn(*inputs).backward()
+
+    return step
+
+
+def _inputs(name: str) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    audio = torch.randn(B, D, generator=g).requires_grad_()
+    shape = (B, K, D) if name.startswith("kcl") else (B, D)
+    return audio, torch.randn(*shape, generator=g).requires_grad_()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=25)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="5 runs, 0.2 s warm-up")
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.warmup = 5, 0.2
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    rows = []
+    for name, make in BASES.items():
+        inputs = _inputs(name)
+        base = make()
+        wrapped = MatryoshkaLoss(base, DIMS)
+        steps = _step(base, inputs), _step(wrapped, inputs)
+        t_base, t_mat = paired_times(*steps, args.warmup, args.runs)
+        ratios = [m / b for m, b in zip(t_mat, t_base, strict=True)]
+        quartiles = statistics.quantiles(ratios, n=4)
+        fast = statistics.quantiles(t_mat, n=10)[0] / statistics.quantiles(t_base, n=10)[0]
+        rows.append(
+            {
+                "loss": name,
+                "batch": B,
+                "dims": list(DIMS),
+                "base_ms": 1e3 * statistics.median(t_base),
+                "matryoshka_ms": 1e3 * statistics.median(t_mat),
+                "time_ratio": statistics.median(ratios),
+                "time_ratio_quartiles": [quartiles[0], quartiles[2]],
+                "time_ratio_fast": fast,
+            }
+        )
+        r = rows[-1]
+        print(
+            f"{name:>9} B={B} dims={DIMS}: {r['time_ratio']:.2f}x (quartiles "
+            f"{quartiles[0]:.2f}-{quartiles[2]:.2f}, fast {fast:.2f}x; median "
+            f"{r['base_ms']:.2f} -> {r['matryoshka_ms']:.2f} ms)",
+            flush=True,
+        )
+    payload = {
+        "what": "MatryoshkaLoss(base, dims) / base on the full dim, fwd+bwd at loss level, CPU",
+        "dim": D,
+        "kcl_languages": K,
+        "threads": args.threads,
+        "runs": args.runs,
+        "warmup_s": args.warmup,
+        "load_average_1min_before": load_before,
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "matmul_share": sum(DIMS) / D,
+        "target_ratio": 2.0,
+        "rows": rows,
+        "table": markdown_table(
+            ["loss", "B", "dims", "time ratio", "quartiles", "fast", "base ms", "matryoshka ms"],
+            [
+                [
+                    r["loss"],
+                    r["batch"],
+                    "/".join(map(str, r["dims"])),
+                    f"{r['time_ratio']:.2f}",
+                    "{:.2f}-{:.2f}".format(*r["time_ratio_quartiles"]),
+                    f"{r['time_ratio_fast']:.2f}",
+                    f"{r['base_ms']:.2f}",
+                    f"{r['matryoshka_ms']:.2f}",
+                ]
+                for r in rows
+            ],
+        ),
+    }
+    print(f"wrote {write_results('matryoshka', payload, quick=args.quick)}")
+
+
+if __name__ == "__main__":
+    main()
