@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import init_gloo, outlasting, rank_rows, spawn_ranks
+from helpers import init_gloo, outlasting, rank_data, rank_rows, spawn_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -267,6 +267,19 @@ def test_metrics_dim_scores_the_renormalised_prefix() -> None:
 # --------------------------------------------------------------------------- 2 gloo ranks
 
 DIST_DIMS = (4, 2)
+DIST_WEIGHTS = (1.0, 0.5)
+DIST_BASES = ("infonce", "siglip", "kcl", "svr_infonce")
+
+
+def _dist_args(name: str, rows: slice) -> tuple[tuple, dict]:
+    """This rank's rows of the global batch of :func:`helpers.rank_data`, as leaves."""
+    data = rank_data(k=K, d=4)
+    a = data["audio"][rows].clone().requires_grad_(True)
+    if "kcl" in name:
+        t = data["text"][rows].clone().requires_grad_(True)
+        return (a, t, data["mask"][rows]), {}
+    t = data["text"][rows, 0].clone().requires_grad_(True)
+    return (a, t), {"ids": data["ids"][rows]} if name == "siglip" else {}
 
 
 def _dist_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
@@ -279,45 +292,51 @@ def _dist_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
         return gather(x)
 
     gather_module._autograd_all_gather = counted
-    g = torch.Generator().manual_seed(0)
-    a_all = torch.randn(8, 4, generator=g, dtype=torch.float64)
-    t_all = torch.randn(8, 4, generator=g, dtype=torch.float64)
-    rows = rank_rows(rank)
     out = {}
-    for name, weights in (("matryoshka", (1.0, 0.5)), ("loop", (1.0, 0.5))):
-        a = a_all[rows].clone().requires_grad_(True)
-        t = t_all[rows].clone().requires_grad_(True)
-        base = InfoNCELoss()
-        calls.clear()
-        if name == "matryoshka":
-            loss = MatryoshkaLoss(base, DIST_DIMS, weights)(a, t)
-        else:
-            loss = _reference(base, DIST_DIMS, weights, a, t)
-        gathers = len(calls)
-        loss.backward()
-        out[name] = (loss.detach(), a.grad, t.grad, gathers)
+    for name in DIST_BASES:
+        for how in ("matryoshka", "loop", "one_call"):
+            torch.manual_seed(0)  # the same base (an SVR's radius) every time
+            base = _base(name)
+            args, kwargs = _dist_args(name, rank_rows(rank))
+            calls.clear()
+            if how == "matryoshka":
+                loss = MatryoshkaLoss(base, DIST_DIMS, DIST_WEIGHTS)(*args, **kwargs)
+            elif how == "loop":
+                loss = _reference(base, DIST_DIMS, DIST_WEIGHTS, *args, **kwargs)
+            else:  # the base once, on the whole width
+                loss = base(*args, **kwargs)
+            gathers = len(calls)
+            grads = _grads(loss, args, base)
+            out[name, how] = (loss.detach(), grads, gathers)
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
 @outlasting(300)
 def test_two_gloo_ranks_equal_the_per_dim_gathered_loss(tmp_path: Path) -> None:
-    """On each rank (uneven batches 5 + 3): the loss and gradients of the per-dim loop,
-    each prefix gathered by its base (2 autograd gathers, audio and text, per dim);
-    averaged over ranks, the one-process loss on the whole batch."""
+    """On each rank (uneven batches 5 + 3), for InfoNCE, SigLIP (ids), KCL (mask) and SVR:
+    the loss and gradients (inputs and the base's parameters) of the per-dim loop, each
+    prefix gathered by its base, ``len(dims)`` times one call's autograd gathers; averaged
+    over ranks, the one-process loss on the whole batch and its input gradients."""
     results = spawn_ranks(_dist_worker, tmp_path)
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(8, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    t = torch.randn(8, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    whole = MatryoshkaLoss(InfoNCELoss(), DIST_DIMS, (1.0, 0.5))(a, t)
-    whole.backward()
-    for r in results:
-        for got, want in zip(r["matryoshka"][:3], r["loop"][:3], strict=True):
-            torch.testing.assert_close(got, want, **F64)
-        assert r["matryoshka"][3] == r["loop"][3] == 2 * len(DIST_DIMS)
-    mean = sum(r["matryoshka"][0] for r in results) / len(results)
-    torch.testing.assert_close(mean, whole.detach(), **F64)
     world = len(results)
-    for i, x in ((1, a), (2, t)):
-        grad = torch.cat([r["matryoshka"][i] for r in results]) / world
-        torch.testing.assert_close(grad, x.grad, **F64)
+    for name in DIST_BASES:
+        for r in results:
+            (loss, grads, gathers), (ref, ref_grads, ref_gathers) = (
+                r[name, "matryoshka"],
+                r[name, "loop"],
+            )
+            torch.testing.assert_close(loss, ref, **F64)
+            for got, want in zip(grads, ref_grads, strict=True):
+                torch.testing.assert_close(got, want, **F64)
+            assert gathers == ref_gathers == len(DIST_DIMS) * r[name, "one_call"][2] > 0
+        torch.manual_seed(0)
+        base = _base(name)
+        args, kwargs = _dist_args(name, slice(None))
+        whole = MatryoshkaLoss(base, DIST_DIMS, DIST_WEIGHTS)(*args, **kwargs)
+        whole_grads = torch.autograd.grad(whole, [x for x in args if x.requires_grad])
+        mean = sum(r[name, "matryoshka"][0] for r in results) / world
+        torch.testing.assert_close(mean, whole.detach(), **F64)
+        for i, want in enumerate(whole_grads):
+            got = torch.cat([r[name, "matryoshka"][1][i] for r in results]) / world
+            torch.testing.assert_close(got, want, **F64, msg=f"{name}: input {i}")
