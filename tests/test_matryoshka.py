@@ -340,3 +340,25 @@ def test_two_gloo_ranks_equal_the_per_dim_gathered_loss(tmp_path: Path) -> None:
         for i, want in enumerate(whole_grads):
             got = torch.cat([r[name, "matryoshka"][1][i] for r in results]) / world
             torch.testing.assert_close(got, want, **F64, msg=f"{name}: input {i}")
+
+
+class _RecordingInfoNCE(InfoNCELoss):
+    """InfoNCE that takes (and records) hard negatives, as the hard-negative bases will."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    def forward(self, audio, text, ids=None, *, negatives=None, negatives_mask=None, **kw):
+        self.seen.append((audio.shape[-1], negatives.shape, negatives_mask.shape))
+        return super().forward(audio, text, ids, **kw)
+
+
+def test_hard_negatives_are_cut_with_the_batch_and_their_mask_is_not() -> None:
+    base = _RecordingInfoNCE()
+    a, t = torch.randn(B, D), torch.randn(B, D)
+    negatives, mask = torch.randn(B, 2, D), torch.ones(B, 2, dtype=torch.bool)
+    MatryoshkaLoss(base, DIMS)(a, t, negatives=negatives, negatives_mask=mask)
+    assert base.seen == [(d, (B, 2, d), (B, 2)) for d in DIMS]
+    with pytest.raises(ValueError, match="negatives: last dim 6 differs"):
+        MatryoshkaLoss(base, DIMS)(a, t, negatives=torch.randn(B, 2, 6), negatives_mask=mask)
