@@ -22,6 +22,7 @@ PUBLIC_ALL = {
         "InfoNCELoss",
         "KCLLoss",
         "KnowledgeBank",
+        "MatryoshkaLoss",
         "RadiusPredictor",
         "SigLIPLoss",
         "SupportVectorRegularizer",
@@ -86,6 +87,7 @@ SUBMODULES = [
     "functional",
     "grad_cache",
     "losses",
+    "matryoshka",
     "metrics",
     "ot",
     "svr",
@@ -129,6 +131,10 @@ SIGNATURES = {
         " 'torch.dtype' = torch.float32, index: 'str' = 'flat', nlist: 'int | None' ="
         " None, nprobe: 'int' = 16, kmeans_iters: 'int' = 20, refresh_every: 'int' = "
         "15, seed: 'int' = 0, chunk_size: 'int' = 65536) -> 'None'"
+    ),
+    "contrastive_losses.MatryoshkaLoss": (
+        "(base: 'nn.Module', dims: 'Sequence[int]', weights: 'Sequence[float] | None' = None) "
+        "-> 'None'"
     ),
     "contrastive_losses.RadiusPredictor": (
         "(num_features: 'int' = 32, hidden: 'int' = 64, radius_init: 'float' = 0.1, *, "
@@ -281,7 +287,8 @@ SIGNATURES = {
     "contrastive_losses.metrics.audio_text_retrieval": (
         "(audio: 'Tensor', text: 'Tensor', *, k: 'Sequence[int]' = (1, 5, 10), map_k:"
         " 'int' = 10, denominator: 'str' = 'n_relevant', normalize: 'bool' = True, "
-        "chunk_size: 'int | None' = None) -> 'dict[str, dict[str, float]]'"
+        "chunk_size: 'int | None' = None, dim: 'int | None' = None) -> 'dict[str, dict[str, "
+        "float]]'"
     ),
     "contrastive_losses.metrics.embedding_distance": (
         "(text: 'Tensor', anchor: 'int' = 0, *, normalize: 'bool' = True) -> 'Tensor'"
@@ -310,7 +317,7 @@ SIGNATURES = {
         "(audio: 'Tensor', text: 'Tensor', languages: 'Sequence[str] | None' = None, "
         "*, anchor: 'int | str' = 0, k: 'Sequence[int]' = (1, 5, 10), map_k: 'int' = "
         "10, denominator: 'str' = 'n_relevant', normalize: 'bool' = True, chunk_size:"
-        " 'int | None' = None) -> 'RetrievalReport'"
+        " 'int | None' = None, dim: 'int | None' = None) -> 'RetrievalReport'"
     ),
     "contrastive_losses.set_default_validate_args": "(value: 'bool') -> 'None'",
     "contrastive_losses.sample_languages": (
@@ -347,6 +354,10 @@ FORWARD_SIGNATURES = {
         "= None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | "
         "None' = None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
         "tuple[Tensor, Tensor] | None' = None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
+    ),
+    "MatryoshkaLoss": (
+        "(self, *inputs: 'Any', return_terms: 'bool' = False, **kwargs: 'Any') -> 'Tensor | "
+        "tuple[Tensor, dict[str, Tensor]]'"
     ),
     "SigLIPLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
