@@ -170,13 +170,13 @@ class _SymmetricMeanCE(torch.autograd.Function):
         row_max = logits.amax(dim=1)
         p_rows = F.softmax(logits, dim=1)
         lse_rows = row_max - p_rows.amax(dim=1).log()
-        # columns: strided for the softmax kernel (1.3x this), so by hand, and the
-        # division by the sums left to backward's pass
+        diag = logits.diagonal().clone()
+        # columns: strided for the softmax kernel (1.3x this), so by hand, in the logits'
+        # own buffer, and the division by the sums left to backward's pass
         col_max = logits.amax(dim=0)
-        exp_cols = (logits - col_max).exp_()
+        exp_cols = logits.sub_(col_max).exp_()
         col_sum = exp_cols.sum(dim=0)
         lse_cols = col_max + col_sum.log()
-        diag = logits.diagonal()
         ctx.save_for_backward(a, t, p_rows, exp_cols, col_sum)
         ctx.scale = scale
         return (lse_rows - diag).mean(), (lse_cols - diag).mean()
