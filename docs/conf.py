@@ -40,6 +40,7 @@ API_MODULES = [
     "contrastive_losses.bank",
     "contrastive_losses.ot",
     "contrastive_losses.grad_cache",
+    "contrastive_losses.matryoshka",
     "contrastive_losses.metrics",
     "contrastive_losses.diagnostics",
     "contrastive_losses.distributed",

@@ -22,6 +22,7 @@ PUBLIC_ALL = {
         "InfoNCELoss",
         "KCLLoss",
         "KnowledgeBank",
+        "MatryoshkaLoss",
         "RadiusPredictor",
         "SigLIPLoss",
         "SupportVectorRegularizer",
@@ -86,6 +87,7 @@ SUBMODULES = [
     "functional",
     "grad_cache",
     "losses",
+    "matryoshka",
     "metrics",
     "ot",
     "svr",
@@ -111,16 +113,18 @@ SIGNATURES = {
         "ForwardRef('Tensor | None') = None)"
     ),
     "contrastive_losses.InfoNCELoss": (
-        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, max_logit_scale: "
-        "'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
-        "None' = None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
-        "'None'"
+        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
+        "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None, "
+        "validate_args: 'bool | None' = None, guide_margin: 'float' = 0.0, guide_strategy: "
+        "'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.KCLLoss": (
         "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
         "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: "
-        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int "
-        "| None' = None, validate_args: 'bool | None' = None) -> 'None'"
+        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: "
+        "'int | None' = None, validate_args: 'bool | None' = None, guide_margin: 'float' = "
+        "0.0, guide_strategy: 'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.KnowledgeBank": (
         "(dim: 'int', backend: 'str' = 'auto', num_prototypes: 'int' = 512, *, dtype:"
@@ -128,14 +132,19 @@ SIGNATURES = {
         " None, nprobe: 'int' = 16, kmeans_iters: 'int' = 20, refresh_every: 'int' = "
         "15, seed: 'int' = 0, chunk_size: 'int' = 65536) -> 'None'"
     ),
+    "contrastive_losses.MatryoshkaLoss": (
+        "(base: 'nn.Module', dims: 'Sequence[int]', weights: 'Sequence[float] | None' = None) "
+        "-> 'None'"
+    ),
     "contrastive_losses.RadiusPredictor": (
         "(num_features: 'int' = 32, hidden: 'int' = 64, radius_init: 'float' = 0.1, *, "
         "validate_args: 'bool | None' = None) -> 'None'"
     ),
     "contrastive_losses.SigLIPLoss": (
-        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = True, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
-        "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'None'"
+        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = "
+        "True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+        "None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None, "
+        "guide_margin: 'float' = 0.0, guide_strategy: 'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.SupportVectorRegularizer": (
         "(base: 'nn.Module', radius: 'str | float' = 'dynamic', direction: 'str' = 'bi', alpha: "
@@ -187,15 +196,22 @@ SIGNATURES = {
         "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
         "logit_scale: 'Tensor | None' = None, ids: 'Tensor | None' = None, normalize: 'bool' = "
         "True, reduction: 'str' = 'mean', gather: 'bool | None' = None, return_terms: 'bool' = "
-        "False, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
-        "'Tensor | tuple[Tensor, Terms]'"
+        "False, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None, "
+        "hard_negatives: 'Tensor | None' = None, hard_negatives_mask: 'Tensor | None' = None, "
+        "audio_hard_negatives: 'Tensor | None' = None, audio_hard_negatives_mask: 'Tensor | "
+        "None' = None, guide: 'Tensor | tuple[Tensor, Tensor] | None' = None, guide_margin: "
+        "'float' = 0.0, guide_strategy: 'str' = 'absolute') -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.kcl": (
         "(audio: 'Tensor', text: 'Tensor', temperature: 'float | Tensor' = 0.07, *, "
         "logit_scale: 'Tensor | None' = None, mask: 'Tensor | None' = None, negatives: 'str' = "
         "'per_language', normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
         "None' = None, return_terms: 'bool' = False, chunk_size: 'int | None' = None, "
-        "validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "validate_args: 'bool | None' = None, hard_negatives: 'Tensor | None' = None, "
+        "hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | None' = "
+        "None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
+        "tuple[Tensor, Tensor] | None' = None, guide_margin: 'float' = 0.0, guide_strategy: "
+        "'str' = 'absolute') -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.l2_normalize": (
         "(x: 'Tensor', norms: 'Tensor | None' = None) -> 'Tensor'"
@@ -207,10 +223,14 @@ SIGNATURES = {
     ),
     "contrastive_losses.functional.siglip": (
         "(audio: 'Tensor', text: 'Tensor', scale: 'float | Tensor' = 10.0, bias: 'float | "
-        "Tensor' = -10.0, *, logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' = "
-        "None, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
-        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int | "
-        "None' = None, validate_args: 'bool | None' = None) -> 'Tensor | tuple[Tensor, Terms]'"
+        "Tensor' = -10.0, *, logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' ="
+        " None, ids: 'Tensor | None' = None, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, return_terms: 'bool' = False, chunk_size: 'int |"
+        " None' = None, validate_args: 'bool | None' = None, hard_negatives: 'Tensor | None' = "
+        "None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | "
+        "None' = None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
+        "tuple[Tensor, Tensor] | None' = None, guide_margin: 'float' = 0.0, guide_strategy: "
+        "'str' = 'absolute') -> 'Tensor | tuple[Tensor, Terms]'"
     ),
     "contrastive_losses.functional.sinkhorn": (
         "(scores: 'Tensor', epsilon: 'float' = 0.05, max_iter: 'int' = 100, tol: 'float | None' = "
@@ -245,26 +265,30 @@ SIGNATURES = {
         "ForwardRef('Tensor | None') = None)"
     ),
     "contrastive_losses.losses.InfoNCELoss": (
-        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, max_logit_scale: "
-        "'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | "
-        "None' = None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> "
-        "'None'"
+        "(temperature: 'float' = 0.07, *, learnable_temperature: 'bool' = False, "
+        "max_logit_scale: 'float' = 100.0, normalize: 'bool' = True, reduction: 'str' = "
+        "'mean', gather: 'bool | None' = None, chunk_size: 'int | None' = None, "
+        "validate_args: 'bool | None' = None, guide_margin: 'float' = 0.0, guide_strategy: "
+        "'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.losses.KCLLoss": (
         "(temperature: 'float' = 0.07, *, negatives: 'str' = 'per_language', "
         "learnable_temperature: 'bool' = False, max_logit_scale: 'float' = 100.0, normalize: "
-        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: 'int "
-        "| None' = None, validate_args: 'bool | None' = None) -> 'None'"
+        "'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, chunk_size: "
+        "'int | None' = None, validate_args: 'bool | None' = None, guide_margin: 'float' = "
+        "0.0, guide_strategy: 'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.losses.SigLIPLoss": (
-        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = True, "
-        "normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = None, "
-        "chunk_size: 'int | None' = None, validate_args: 'bool | None' = None) -> 'None'"
+        "(scale_init: 'float' = 10.0, bias_init: 'float' = -10.0, *, learnable: 'bool' = "
+        "True, normalize: 'bool' = True, reduction: 'str' = 'mean', gather: 'bool | None' = "
+        "None, chunk_size: 'int | None' = None, validate_args: 'bool | None' = None, "
+        "guide_margin: 'float' = 0.0, guide_strategy: 'str' = 'absolute') -> 'None'"
     ),
     "contrastive_losses.metrics.audio_text_retrieval": (
         "(audio: 'Tensor', text: 'Tensor', *, k: 'Sequence[int]' = (1, 5, 10), map_k:"
         " 'int' = 10, denominator: 'str' = 'n_relevant', normalize: 'bool' = True, "
-        "chunk_size: 'int | None' = None) -> 'dict[str, dict[str, float]]'"
+        "chunk_size: 'int | None' = None, dim: 'int | None' = None) -> 'dict[str, dict[str, "
+        "float]]'"
     ),
     "contrastive_losses.metrics.embedding_distance": (
         "(text: 'Tensor', anchor: 'int' = 0, *, normalize: 'bool' = True) -> 'Tensor'"
@@ -293,7 +317,7 @@ SIGNATURES = {
         "(audio: 'Tensor', text: 'Tensor', languages: 'Sequence[str] | None' = None, "
         "*, anchor: 'int | str' = 0, k: 'Sequence[int]' = (1, 5, 10), map_k: 'int' = "
         "10, denominator: 'str' = 'n_relevant', normalize: 'bool' = True, chunk_size:"
-        " 'int | None' = None) -> 'RetrievalReport'"
+        " 'int | None' = None, dim: 'int | None' = None) -> 'RetrievalReport'"
     ),
     "contrastive_losses.set_default_validate_args": "(value: 'bool') -> 'None'",
     "contrastive_losses.sample_languages": (
@@ -319,18 +343,29 @@ FORWARD_SIGNATURES = {
     ),
     "InfoNCELoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
-        "'Tensor | None' = None, return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
-        "dict[str, Tensor]]'"
+        "'Tensor | None' = None, return_terms: 'bool' = False, hard_negatives: 'Tensor | None' "
+        "= None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | "
+        "None' = None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
+        "tuple[Tensor, Tensor] | None' = None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
     ),
     "KCLLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', mask: 'Tensor | None' = None, *, logit_scale: "
-        "'Tensor | None' = None, return_terms: 'bool' = False) -> 'Tensor | tuple[Tensor, "
-        "dict[str, Tensor]]'"
+        "'Tensor | None' = None, return_terms: 'bool' = False, hard_negatives: 'Tensor | None' "
+        "= None, hard_negatives_mask: 'Tensor | None' = None, audio_hard_negatives: 'Tensor | "
+        "None' = None, audio_hard_negatives_mask: 'Tensor | None' = None, guide: 'Tensor | "
+        "tuple[Tensor, Tensor] | None' = None) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
+    ),
+    "MatryoshkaLoss": (
+        "(self, *inputs: 'Any', return_terms: 'bool' = False, **kwargs: 'Any') -> 'Tensor | "
+        "tuple[Tensor, dict[str, Tensor]]'"
     ),
     "SigLIPLoss": (
         "(self, audio: 'Tensor', text: 'Tensor', ids: 'Tensor | None' = None, *, logit_scale: "
         "'Tensor | None' = None, logit_bias: 'Tensor | None' = None, return_terms: 'bool' = "
-        "False) -> 'Tensor | tuple[Tensor, dict[str, Tensor]]'"
+        "False, hard_negatives: 'Tensor | None' = None, hard_negatives_mask: 'Tensor | None' = "
+        "None, audio_hard_negatives: 'Tensor | None' = None, audio_hard_negatives_mask: 'Tensor"
+        " | None' = None, guide: 'Tensor | tuple[Tensor, Tensor] | None' = None) -> 'Tensor | "
+        "tuple[Tensor, dict[str, Tensor]]'"
     ),
     "SupportVectorRegularizer": (
         "(self, *args: 'Any', logit_scale: 'Tensor | None' = None, logit_bias: 'Tensor | None' "

@@ -4,6 +4,7 @@ Public names only. Each method has one module holding its functional form and it
 Module (:mod:`~contrastive_losses.infonce`, :mod:`~contrastive_losses.siglip`,
 :mod:`~contrastive_losses.kcl`, :mod:`~contrastive_losses.cacl`,
 :mod:`~contrastive_losses.svr`, :mod:`~contrastive_losses.ask`);
+:class:`MatryoshkaLoss` (:mod:`~contrastive_losses.matryoshka`) wraps any of the losses;
 :mod:`contrastive_losses.functional` gathers the functions.
 """
 
@@ -16,6 +17,7 @@ from .bank import KnowledgeBank
 from .cacl import sample_languages
 from .grad_cache import GradCache
 from .losses import CACLLoss, ContrastivePair, InfoNCELoss, KCLLoss, SigLIPLoss
+from .matryoshka import MatryoshkaLoss
 from .svr import RadiusPredictor, SupportVectorRegularizer
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ __all__ = [
     "InfoNCELoss",
     "KCLLoss",
     "KnowledgeBank",
+    "MatryoshkaLoss",
     "RadiusPredictor",
     "SigLIPLoss",
     "SupportVectorRegularizer",

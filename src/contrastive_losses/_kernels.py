@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, _compat
+from . import _checks, _compat, _guide
 
 
 class _L2Normalize(torch.autograd.Function):
@@ -121,24 +121,43 @@ class _SymmetricDiagonalCE(torch.autograd.Function):
     Returns ``(row_losses, column_losses)``, each ``(K, B)``: row ``j`` against its row,
     column ``i`` against its column. One backward pass writes the gradient of both into a
     single buffer; autograd's path (two ``logsumexp`` and two ``diagonal`` backwards)
-    materialises four ``(K, B, B)`` tensors.
+    materialises four ``(K, B, B)`` tensors. ``excluded`` (optional): ``(B, B)`` masks of
+    the entries that leave the rows' and the columns' log-sum-exp (the guide's,
+    :mod:`._guide`; one tensor when they agree).
     """
 
     @staticmethod
-    def forward(ctx, scores: Tensor) -> tuple[Tensor, Tensor]:
-        lse_rows = scores.logsumexp(dim=-1)  # (K, B)
-        lse_cols = scores.logsumexp(dim=-2)  # (K, B)
+    def forward(
+        ctx, scores: Tensor, excluded: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        rows, cols = _excluded_scores(scores, excluded)
+        lse_rows = rows.logsumexp(dim=-1)  # (K, B)
+        lse_cols = cols.logsumexp(dim=-2)  # (K, B)
         diag = scores.diagonal(dim1=1, dim2=2)  # (K, B)
-        ctx.save_for_backward(scores, lse_rows, lse_cols)
+        ctx.save_for_backward(scores, lse_rows, lse_cols, *(excluded or (None, None)))
         return lse_rows - diag, lse_cols - diag
 
     @staticmethod
-    def backward(ctx, g_rows: Tensor, g_cols: Tensor) -> Tensor:
-        scores, lse_rows, lse_cols = ctx.saved_tensors
-        grad = (scores - lse_rows.unsqueeze(-1)).exp_().mul_(g_rows.unsqueeze(-1))
-        grad.add_((scores - lse_cols.unsqueeze(-2)).exp_().mul_(g_cols.unsqueeze(-2)))
+    def backward(ctx, g_rows: Tensor, g_cols: Tensor) -> tuple[Tensor, None]:
+        scores, lse_rows, lse_cols, ex_rows, ex_cols = ctx.saved_tensors
+        excluded = None if ex_rows is None else (ex_rows, ex_cols)
+        rows, cols = _excluded_scores(scores, excluded)
+        grad = (rows - lse_rows.unsqueeze(-1)).exp_().mul_(g_rows.unsqueeze(-1))
+        grad.add_((cols - lse_cols.unsqueeze(-2)).exp_().mul_(g_cols.unsqueeze(-2)))
         grad.diagonal(dim1=1, dim2=2).sub_(g_rows + g_cols)
-        return grad
+        return grad, None
+
+
+def _excluded_scores(
+    scores: Tensor, excluded: tuple[Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor]:
+    """``scores`` for the rows' and the columns' log-sum-exp, the dtype's finite minimum
+    at the excluded entries (the dense paths' fill: NaN-free in backward)."""
+    if excluded is None:
+        return scores, scores
+    low = torch.finfo(scores.dtype).min
+    rows = scores.masked_fill(excluded[0], low)
+    return rows, rows if excluded[1] is excluded[0] else scores.masked_fill(excluded[1], low)
 
 
 class _SymmetricMeanCE(torch.autograd.Function):
@@ -320,6 +339,24 @@ def _masked_tile(
     return s, valid
 
 
+def _guided(
+    s: Tensor,
+    guide: _guide.Tiles | None,
+    offset: int,
+    ids: tuple[Tensor, Tensor] | None,
+    c0: int,
+    c1: int,
+) -> tuple[Tensor, Tensor]:
+    """The tile's logits for its rows' and for its columns' log-sum-exp: ``-inf`` where
+    the guide excludes the entry for that direction (one tensor when the two agree)."""
+    if guide is None:
+        return s, s
+    pos = _guide.tile_positives(s.shape[-2], offset, ids, c0, c1, s.device)
+    row, col = _guide.tile_masks(guide, c0, c1, pos)
+    s_row = s.masked_fill(row, float("-inf"))
+    return s_row, s_row if col is row else s.masked_fill(col, float("-inf"))
+
+
 def _tile_positives(
     row_ids: Tensor, col_ids: Tensor, valid: Tensor | None, c0: int, c1: int
 ) -> Tensor:
@@ -336,13 +373,15 @@ def _forward_statistics(
     col_valid: Tensor | None,
     chunk: int,
     symmetric: bool,
+    guide: tuple[_guide.Tiles, int] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One pass over the tiles: the rows' log-sum-exp ``(Q, b)`` (each tile's, folded
     into the running one with ``logaddexp``: two ops a tile where a running max and sum
     took a dozen, the tiled path's fixed cost at small ``B``), with ``ids`` the rows'
     positive logit sums and counts ``(2, Q, b)``, and for ``symmetric`` the columns'
     log-sum-exp over these rows (and with ``ids`` their positive sums and counts)
-    ``(1 or 3, Q, N)``."""
+    ``(1 or 3, Q, N)``. ``guide`` (its tiles and the diagonal's offset) drops the
+    entries it excludes from each direction's log-sum-exp."""
     q, n, b = yc.shape[0], yc.shape[1], xc.shape[-2]
     row_lse = xc.new_full((q, b), float("-inf"))  # logaddexp(-inf, x) is x exactly
     row_pos = None if ids is None else xc.new_zeros((2, q, b))
@@ -350,6 +389,7 @@ def _forward_statistics(
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
         s, valid = _masked_tile(xc, yc, c0, c1, row_valid, col_valid)
+        s, s_col = _guided(s, *guide, ids, c0, c1) if guide is not None else (s, s)
         if ids is not None:
             pos = _tile_positives(*ids, valid, c0, c1)
             pos_s = torch.where(pos, s, s.new_zeros(()))
@@ -359,7 +399,7 @@ def _forward_statistics(
                 cols[1, :, c0:c1] = pos_s.sum(-2)
                 cols[2, :, c0:c1] = pos.sum(-2)
         if cols is not None:
-            cols[0, :, c0:c1] = s.logsumexp(-2)
+            cols[0, :, c0:c1] = s_col.logsumexp(-2)
         row_lse = torch.logaddexp(row_lse, s.logsumexp(-1))  # -inf, -inf: -inf
     return row_lse, row_pos, cols  # lse -inf where no valid column
 
@@ -389,6 +429,10 @@ class _TiledCrossEntropy(torch.autograd.Function):
     partial statistics in forward and one ``all_reduce`` of ``(Q, N)`` column gradients
     in backward when ``gathered``. Saves the inputs and ``O(Q (b + N))`` statistics;
     forward computes each tile once, backward recomputes it once for both gradients.
+
+    ``guide`` (:data:`_guide.Tiles`, optional): the guided false-negative filter; each
+    tile's guide scores ``(b, chunk)`` are recomputed from the guide embeddings and the
+    excluded entries leave the rows' (resp. the columns') log-sum-exp.
     """
 
     @staticmethod
@@ -404,13 +448,21 @@ class _TiledCrossEntropy(torch.autograd.Function):
         chunk: int,
         columns: tuple[int, int] | None,
         gathered: bool,
+        guide: _guide.Tiles | None = None,
     ) -> tuple[Tensor, Tensor]:
         compute = _compute_dtype(x)
         xc, yc = x.to(compute), y.to(compute)
         b = xc.shape[-2]
         ids = None if row_ids is None or col_ids is None else (row_ids, col_ids)
         row_lse, row_pos, cols = _forward_statistics(
-            xc, yc, ids, row_valid, col_valid, chunk, columns is not None
+            xc,
+            yc,
+            ids,
+            row_valid,
+            col_valid,
+            chunk,
+            columns is not None,
+            None if guide is None else (guide, offset),
         )
         if row_pos is None:  # the diagonal: one positive per row, <x_i, y_offset+i>
             row_cnt = None
@@ -439,6 +491,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             col_ids,
             row_valid,
             col_valid,
+            *(guide or (None,) * 4),
         )
         ctx.meta = (offset, chunk, columns, gathered, compute)
         # a fresh tensor, not an intermediate or one mutated in place: torch 2.11's compile
@@ -448,8 +501,9 @@ class _TiledCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_row: Tensor, g_col: Tensor) -> tuple[Any, ...]:
         (x, y, row_lse, row_cnt, col_stats, row_ids, col_ids, row_valid, col_valid) = (
-            ctx.saved_tensors
+            ctx.saved_tensors[:9]
         )
+        guide = _saved_guide(ctx.saved_tensors[9:])
         offset, chunk, columns, gathered, compute = ctx.meta
         xc, yc = x.to(compute), y.to(compute)
         q, n = yc.shape[0], yc.shape[1]
@@ -476,10 +530,12 @@ class _TiledCrossEntropy(torch.autograd.Function):
             c1 = min(n, c0 + chunk)
             yt = yc[:, c0:c1]
             s, valid = _masked_tile(xc, yc, c0, c1, row_valid, col_valid)  # (Q, b, c)
+            ids = (row_ids, col_ids) if multi else None
+            s, s_col = _guided(s, guide, offset, ids, c0, c1)
             p = (s - row_lse[..., None]).exp_().mul_(g_row[..., None])
             if symmetric:
-                p.add_(s.sub_(col_lse[:, None, c0:c1]).exp_().mul_(g_all[:, None, c0:c1]))
-            del s
+                p.add_(s_col.sub_(col_lse[:, None, c0:c1]).exp_().mul_(g_all[:, None, c0:c1]))
+            del s, s_col
             if multi:
                 pos = _positives(row_ids, col_ids, c0, c1)
                 pos = pos if valid is None else pos & valid
@@ -506,7 +562,15 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 grad_y[:, c0:c1] = p.mT @ xc
         gx_out = None if grad_x is None else grad_x.to(x.dtype)
         gy_out = None if grad_y is None else grad_y.to(y.dtype)
-        return gx_out, gy_out, None, None, None, None, None, None, None, None
+        return gx_out, gy_out, None, None, None, None, None, None, None, None, None
+
+
+def _saved_guide(saved: tuple[Tensor | None, ...]) -> _guide.Tiles | None:
+    """The guide tiles a kernel saved (four slots, ``None`` without a guide)."""
+    rows, cols, row_thr, col_thr = saved
+    if rows is None or cols is None or row_thr is None:
+        return None
+    return rows, cols, row_thr, col_thr
 
 
 class _TiledSigmoid(torch.autograd.Function):
@@ -514,7 +578,8 @@ class _TiledSigmoid(torch.autograd.Function):
     :math:`l = c\,x y^\top + b` and :math:`z = \pm 1` (positive or not), over column tiles.
 
     ``x`` ``(b, D)``, ``y`` ``(N, D)``, ``scale`` and ``bias`` 0-d tensors. Positives as
-    in :class:`_TiledCrossEntropy`. Returns ``(b,)``; saves only the inputs.
+    in :class:`_TiledCrossEntropy`. Returns ``(b,)``; saves only the inputs. ``guide``
+    (:data:`_guide.Tiles`): a pair excluded for either of its anchors leaves the sum.
     """
 
     @staticmethod
@@ -528,6 +593,7 @@ class _TiledSigmoid(torch.autograd.Function):
         row_ids: Tensor | None,
         col_ids: Tensor | None,
         chunk: int,
+        guide: _guide.Tiles | None = None,
     ) -> Tensor:
         compute = _compute_dtype(x)
         xs, yc, bc = x.to(compute) * scale.to(compute), y.to(compute), bias.to(compute)
@@ -535,8 +601,9 @@ class _TiledSigmoid(torch.autograd.Function):
         for c0 in range(0, yc.shape[0], chunk):
             c1 = min(yc.shape[0], c0 + chunk)
             logits = _signed_logits(xs, yc[c0:c1], bc, offset, row_ids, col_ids, c0, c1)
-            out += torch.nn.functional.softplus(logits).sum(-1)
-        ctx.save_for_backward(x, y, scale, bias, row_ids, col_ids)
+            loss = torch.nn.functional.softplus(logits)
+            out += _pairs_kept(loss, guide, offset, row_ids, col_ids, c0, c1).sum(-1)
+        ctx.save_for_backward(x, y, scale, bias, row_ids, col_ids, *(guide or (None,) * 4))
         ctx.meta = (offset, chunk, compute)
         # a fresh tensor, not an intermediate or one mutated in place: torch 2.11's compile
         # routes such an output's gradient to the wrong slot (zeros; pytorch#180642)
@@ -544,7 +611,8 @@ class _TiledSigmoid(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
-        x, y, scale, bias, row_ids, col_ids = ctx.saved_tensors
+        x, y, scale, bias, row_ids, col_ids = ctx.saved_tensors[:6]
+        guide = _saved_guide(ctx.saved_tensors[6:])
         offset, chunk, compute = ctx.meta
         xc, yc, sc, bc = x.to(compute), y.to(compute), scale.to(compute), bias.to(compute)
         xs, g = xc * sc, g.to(compute)
@@ -556,7 +624,7 @@ class _TiledSigmoid(torch.autograd.Function):
             # d softplus(-z l)/dl = -z sigmoid(-z l): sigmoid of the signed logits, sign back
             d = _signed_logits(xs, yc[c0:c1], bc, offset, row_ids, col_ids, c0, c1)
             d = _flip_positives(d.sigmoid_(), offset, row_ids, col_ids, c0, c1)
-            d.mul_(g[:, None])
+            d = _pairs_kept(d, guide, offset, row_ids, col_ids, c0, c1).mul_(g[:, None])
             grad_bias += d.sum()
             grad_xs.addmm_(d, yc[c0:c1])
             grad_y[c0:c1] = d.T @ xs
@@ -570,7 +638,26 @@ class _TiledSigmoid(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _pairs_kept(
+    t: Tensor,
+    guide: _guide.Tiles | None,
+    offset: int,
+    row_ids: Tensor | None,
+    col_ids: Tensor | None,
+    c0: int,
+    c1: int,
+) -> Tensor:
+    """``t`` ``(b, c)`` with 0 at the pairs the guide excludes for either anchor."""
+    if guide is None:
+        return t
+    ids = None if row_ids is None or col_ids is None else (row_ids, col_ids)
+    pos = _guide.tile_positives(t.shape[0], offset, ids, c0, c1, t.device)
+    row, col = _guide.tile_masks(guide, c0, c1, pos)
+    return t.masked_fill(row if col is row else row | col, 0)
 
 
 def distinct_ids(row_ids: Tensor | None, col_ids: Tensor | None) -> Tensor | None:

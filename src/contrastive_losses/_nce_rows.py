@@ -13,7 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import _Batch, _batch, _cpu_constant, _gather, _gather_no_grad, _tile_width
+from . import _guide
+from ._common import (
+    _Batch,
+    _batch,
+    _cpu_constant,
+    _diagonal_mask,
+    _gather,
+    _gather_no_grad,
+    _tile_width,
+)
 from ._kernels import _SymmetricMeanCE, _TiledCrossEntropy, distinct_ids
 
 
@@ -72,10 +81,12 @@ def _info_nce_rows(
     gather: bool,
     chunk_size: int | None = None,
     validate: bool = True,
+    guide: _guide.Guide | None = None,
 ) -> tuple[Tensor, Tensor, _Batch]:
     """Per-sample a->t and t->a cross-entropies of this rank's rows, ``(b,)`` each, of
     the logits ``scale * a @ t.T`` (:func:`_resolve_scale`); tiled when ``chunk_size`` is
-    below the global batch (:func:`_tile_width`)."""
+    below the global batch (:func:`_tile_width`). ``guide`` leaves the negatives it
+    excludes out of each row's softmax (:mod:`._guide`)."""
     b = a.shape[0]
     # Scale the (b, D) side, not the (b, N) logits, by a multiplication in a's dtype, as
     # open_clip's logit_scale * x @ y.T: a half-precision scale with float32 features
@@ -85,31 +96,29 @@ def _info_nce_rows(
     t_all, offset = _gather(t, gather, validate)  # (N, D)
     chunk = _tile_width(chunk_size, t_all.shape[0])
     if chunk is not None:
-        return _tiled_info_nce_rows(a, t_all, offset, ids, gather, chunk, validate)
+        return _tiled_info_nce_rows(a, t_all, offset, ids, gather, chunk, validate, guide)
     if not gather:
-        logits = a @ t.T  # (B, B)
-        if ids is None:
-            target = torch.arange(b, device=a.device)
-            a2t = F.cross_entropy(logits, target, reduction="none")
-            t2a = F.cross_entropy(logits.T, target, reduction="none")
-        else:
-            same = ids[:, None] == ids[None, :]  # (B, B), symmetric
-            a2t = _multi_positive_ce(logits, same)
-            t2a = _multi_positive_ce(logits.T, same)
-        return a2t, t2a, _batch(0, b, False)
-
-    a_all, _ = _gather(a, True, validate)  # (N, D)
-    logits_a2t = a @ t_all.T  # (b, N)
-    logits_t2a = t @ a_all.T  # (b, N)
-    if ids is None:
+        logits_a2t = a @ t.T  # (B, B)
+        logits_t2a = logits_a2t.T
+    else:
+        a_all, _ = _gather(a, True, validate)  # (N, D)
+        logits_a2t = a @ t_all.T  # (b, N)
+        logits_t2a = t @ a_all.T  # (b, N)
+    n = t_all.shape[0]
+    same = None if ids is None else ids[:, None] == _gather_no_grad(ids, gather, validate)[None, :]
+    if guide is not None:
+        positives = _diagonal_mask(b, n, offset, a.device) if same is None else same
+        excluded_a2t, excluded_t2a = _guide.dense_masks(guide, positives)
+        logits_a2t = _guide.fill(logits_a2t, excluded_a2t)
+        logits_t2a = _guide.fill(logits_t2a, excluded_t2a)
+    if same is None:
         target = torch.arange(offset, offset + b, device=a.device)
         a2t = F.cross_entropy(logits_a2t, target, reduction="none")
         t2a = F.cross_entropy(logits_t2a, target, reduction="none")
-    else:
-        same = ids[:, None] == _gather_no_grad(ids, True, validate)[None, :]  # (b, N)
+    else:  # (b, N), symmetric without gathering
         a2t = _multi_positive_ce(logits_a2t, same)
         t2a = _multi_positive_ce(logits_t2a, same)
-    return a2t, t2a, _batch(offset, a_all.shape[0], True)
+    return a2t, t2a, _batch(offset, n, gather)
 
 
 def _tiled_info_nce_rows(
@@ -120,6 +129,7 @@ def _tiled_info_nce_rows(
     gather: bool,
     chunk_size: int,
     validate: bool,
+    guide: _guide.Guide | None = None,
 ) -> tuple[Tensor, Tensor, _Batch]:
     """:func:`_info_nce_rows` over column tiles: this rank's audio rows against every
     rank's text ``t_all`` (gathered, this rank's from ``offset``), the text columns'
@@ -128,6 +138,16 @@ def _tiled_info_nce_rows(
     b = a.shape[0]
     col_ids = None if ids is None else distinct_ids(ids, _gather_no_grad(ids, gather, validate))
     a2t, t2a = _TiledCrossEntropy.apply(
-        a, t_all[None], offset, ids, col_ids, None, None, chunk_size, (offset, offset + b), gather
+        a,
+        t_all[None],
+        offset,
+        ids,
+        col_ids,
+        None,
+        None,
+        chunk_size,
+        (offset, offset + b),
+        gather,
+        None if guide is None else guide.tiles(),
     )
     return a2t[0], t2a[0], _batch(offset, t_all.shape[0], gather)

@@ -23,6 +23,7 @@ from ._checks import (
 )
 from ._retrieval_scan import (
     DENOMINATORS,
+    _check_dim,
     _check_int,
     _check_ks,
     _chunk_rows,
@@ -342,6 +343,7 @@ def audio_text_retrieval(
     denominator: str = "n_relevant",
     normalize: bool = True,
     chunk_size: int | None = None,
+    dim: int | None = None,
 ) -> dict[str, dict[str, float]]:
     r"""R@k and mAP@k in both directions from embeddings, in one chunked pass each.
 
@@ -364,6 +366,9 @@ def audio_text_retrieval(
         denominator: ``"n_relevant"`` or ``"min_n_relevant_k"``, see :func:`map_at_k`.
         normalize: L2-normalise both embeddings first.
         chunk_size: query rows per block; results do not depend on it.
+        dim: score only the first ``dim`` features (a Matryoshka prefix,
+            :class:`~contrastive_losses.MatryoshkaLoss`), re-normalised with
+            ``normalize``; ``None``: all ``D``. An int in ``[1, D]``.
 
     Returns:
         ``{"t2a": {"R@1": ..., "R@5": ..., "R@10": ..., "mAP@10": ...}, "a2t": {...}}``.
@@ -389,8 +394,9 @@ def audio_text_retrieval(
     audio, text = _check_audio_text(audio, text)
     audio, text = audio.detach(), text.detach()  # a metric: no graph, and out= buffers
     n, c = text.shape[0], text.shape[1]
-    audio = _prepare(audio, "audio", normalize)
-    flat = _prepare(text, "text", normalize).reshape(n * c, -1)  # (N*C, D)
+    dim = _check_dim(dim, audio.shape[-1])
+    audio = _prepare(audio, "audio", normalize, dim)
+    flat = _prepare(text, "text", normalize, dim).reshape(n * c, -1)  # (N*C, dim or D)
     ks, mk = _check_cutoffs(k, map_k, n, denominator)
     audio_ids = torch.arange(n, device=audio.device)  # (N,)
     caption_ids = audio_ids.repeat_interleave(c)  # (N*C,)

@@ -24,7 +24,7 @@ from ._checks import (
 )
 from ._consistency import embedding_distance, embedding_gap, mean_rank_variance
 from ._retrieval import _check_cutoffs, _direction
-from ._retrieval_scan import _check_int, _prepare
+from ._retrieval_scan import _check_dim, _check_int, _prepare
 
 # --------------------------------------------------------------------------- report
 
@@ -196,6 +196,7 @@ def retrieval_report(
     denominator: str = "n_relevant",
     normalize: bool = True,
     chunk_size: int | None = None,
+    dim: int | None = None,
 ) -> RetrievalReport:
     r"""Per-language retrieval and cross-lingual consistency report (ATRI Tab. 1-3 numbers).
 
@@ -230,6 +231,8 @@ def retrieval_report(
         denominator: mAP denominator, see :func:`map_at_k`.
         normalize: L2-normalise embeddings before retrieval and gap/distance.
         chunk_size: query rows per block; results do not depend on it.
+        dim: use only the first ``dim`` features (a Matryoshka prefix), re-normalised
+            with ``normalize``; ``None``: all ``D``. An int in ``[1, D]``.
 
     Returns:
         :class:`RetrievalReport`, a ``dict`` with ``to_markdown()`` and ``to_csv()``.
@@ -267,8 +270,9 @@ def retrieval_report(
         anchor_idx = _check_int(anchor, "anchor", 0, n_lang - 1, "the last language index K - 1")
     ks, mk = _check_cutoffs(k, map_k, n, denominator)
 
-    audio_n = _prepare(audio_t.detach(), "audio", normalize)  # (N, D)
-    text_n = view(_prepare(text_t.detach(), "text", normalize))  # (N, K, C, D)
+    dim = _check_dim(dim, audio_t.shape[-1])
+    audio_n = _prepare(audio_t.detach(), "audio", normalize, dim)  # (N, D) or (N, dim)
+    text_n = view(_prepare(text_t.detach(), "text", normalize, dim))  # (N, K, C, D or dim)
     audio_ids = torch.arange(n, device=audio_n.device)  # (N,)
     caption_ids = audio_ids.repeat_interleave(c)  # (N*C,)
 

@@ -456,7 +456,18 @@ def _constant_rows(s: Tensor) -> float:
 # --------------------------------------------------------------------------- embeddings
 
 
-def _prepare(x: Tensor, name: str, normalize: bool) -> Tensor:
+def _check_dim(dim: object, width: int) -> int | None:
+    """A Matryoshka prefix size: ``None``, or an int in ``[1, D]``."""
+    if dim is None:
+        return None
+    return _check_int(dim, "dim", 1, width, "the embeddings' dim D")
+
+
+def _prepare(x: Tensor, name: str, normalize: bool, dim: int | None = None) -> Tensor:
+    """``x`` checked finite, cut to its first ``dim`` features (a Matryoshka prefix) and
+    L2-normalised (``normalize``): the prefix is normalised, not the full row."""
+    if dim is not None:
+        x = x[..., :dim]
     check_finite(x, name)
     if normalize:
         norms = x.detach().abs().amax(dim=-1)

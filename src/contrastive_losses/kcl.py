@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, _compat
+from . import _checks, _compat, _guide, _hard_negatives
 from ._common import (
     ContrastivePair,
     Terms,
@@ -89,6 +89,13 @@ def kcl(
     return_terms: bool = False,
     chunk_size: int | None = None,
     validate_args: bool | None = None,
+    hard_negatives: Tensor | None = None,
+    hard_negatives_mask: Tensor | None = None,
+    audio_hard_negatives: Tensor | None = None,
+    audio_hard_negatives_mask: Tensor | None = None,
+    guide: Tensor | tuple[Tensor, Tensor] | None = None,
+    guide_margin: float = 0.0,
+    guide_strategy: str = "absolute",
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""1-to-K contrastive loss (KCL, ATRI Eq. 9–11): one audio, K captions in K languages.
 
@@ -138,9 +145,33 @@ def kcl(
         validate_args: value checks on, off (no host sync) or ``None`` (the global
             default), as in :func:`~contrastive_losses.functional.info_nce`; off, a mask
             row with no present caption is not caught (its terms are then undefined).
+        hard_negatives: optional hard-negative captions ``(B, H, D)`` (named so because
+            ``negatives`` picks the in-batch columns), normalised as the captions: every
+            present one (of every row and, gathered, of every rank) is an extra column of
+            every a->t softmax, of each language's (``"per_language"``) or of the one
+            over all captions (``"all_languages"``); never anchors. A present pair's
+            a->t loss :math:`LSE - pos` becomes :math:`\log(e^{LSE} + e^{L_i}) - pos`,
+            :math:`L_i` the log-sum-exp of audio :math:`i`'s logits over them, computed
+            as ``old + softplus(L_i - old - pos)``; absent captions stay 0.
+        hard_negatives_mask: optional bool ``(B, H)``, ``True`` where present.
+        audio_hard_negatives: optional hard-negative audio ``(B, H', D)``: extra columns of
+            every present caption's t->a softmax.
+        audio_hard_negatives_mask: optional bool ``(B, H')`` for ``audio_hard_negatives``.
+        guide: guided false-negative filtering, one guide embedding per clip ``(B, Dg)``
+            or a pair ``(guide_audio, guide_text)`` of ``(B, Dg)``, as in
+            :func:`~contrastive_losses.functional.info_nce`: the pair (audio :math:`i`,
+            caption :math:`(j, k)`) has the guide score :math:`G_{ij}` in every language
+            :math:`k`; it leaves the audio's softmax when :math:`G_{ij} > \theta_i` and
+            the caption's when :math:`G_{ij} > \theta_j`, :math:`\theta_i = G_{ii} - m`
+            (``"absolute"``) or :math:`G_{ii}(1 - m)` (``"relative"``); positives stay.
+            ``return_terms`` adds ``"guide_masked"``, the excluded share of the present
+            negative entries (both directions, every language).
+        guide_margin: :math:`m \ge 0`.
+        guide_strategy: ``"absolute"`` or ``"relative"``.
 
     Shape:
-        audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``; output scalar or ``(B, K)``.
+        audio ``(B, D)``, text ``(B, K, D)``, mask ``(B, K)``, hard_negatives ``(B, H, D)``,
+        guide ``(B, Dg)``; output scalar or ``(B, K)``.
 
     Example:
         >>> import torch
@@ -162,6 +193,7 @@ def kcl(
         t_raw, text_norms, m, moderate = _text_and_mask(
             audio, text, mask, normalize, v.min_batch, validate
         )
+        g = _guide.check_guide(guide, guide_margin, guide_strategy, widen(a), validate)
         _logit_range([(a, "audio", t_raw, "text")], normalize, validate, scale=scale)
         v.batch = a.shape[0]
         v.agree(audio=audio, text=t_raw)  # as given: normalised half rows are float32
@@ -173,42 +205,92 @@ def kcl(
             normalize=normalize,
             mask_given=mask is not None,
         )
+        _guide.record(v, g, guide_margin, guide_strategy)
+        neg = _hard_negatives.check_negatives(
+            v,
+            (audio, a, t_raw.flatten(0, 1)),
+            (hard_negatives, hard_negatives_mask),
+            (audio_hard_negatives, audio_hard_negatives_mask),
+            (normalize, validate, "hard_negatives"),
+            scale,
+        )
     a, t_raw, m = v.ordered(a, t_raw, m)  # gathered only after the ranks' exchange
+    gd = _guide.expand(g, v, enabled, validate)
     # Single process, per-language negatives: normalise through the scores (fast path)
     # only where the checks read the norms and found them moderate: the unnormalised
     # scores t @ (a / tau).T overflow for a caption norm near the dtype's max (3.4e38
     # normalises fine). With the checks off nothing is read (no sync), so the captions
     # are normalised first, as every other loss does: the same value as checks on.
     fused = normalize and not enabled and negatives == "per_language" and moderate
-    fused = fused and chunk_size is None
+    fused = fused and chunk_size is None and neg is None  # the negatives need unit captions
     # Half inputs are computed in float32 and the loss returned in their dtype (autograd
     # casts the gradients back): the sums over B*K pairs overflow float16 long before the
     # float64 loss, as do the fused path's unnormalised scores t @ a.T and its 1/||t||^2
     # in backward (||t|| < 0.004 or > ~200).
     out_dtype = audio.dtype
+    k = t_raw.shape[1]
     a, t_raw, text_norms = widen(a), widen(t_raw), widen(text_norms)
     t = l2_normalize(t_raw, text_norms) if normalize and not fused else t_raw
     a = a * scale  # the (B, D) side, not the (K, B, B) scores; as in _info_nce_rows
+    if neg is not None:  # gathered as the batch; extra columns of the rows computed below
+        neg = neg.ordered(v).gathered(enabled, validate)
+        hard = (negatives == "all_languages", scale, chunk_size)
     if chunk_size is not None:
         a2t, t2a, offset, n_global, m_all = _tiled_pairs(
-            a, t, m, negatives, enabled, chunk_size, validate
+            a, t, m, negatives, enabled, chunk_size, validate, gd
         )
-        return _kcl_reduce(
-            a2t, t2a, m_all, _batch(offset, n_global, enabled), reduction, return_terms, out_dtype
-        )
+        if neg is not None:
+            a2t, t2a = _hard_negatives.kcl_pairs((a2t, t2a), a, t, m, hard, neg)
+        batch = _batch(offset, n_global, enabled)
+        masked = _guide_masked(gd, m, m_all, negatives, batch, chunk_size, return_terms, k)
+        return _kcl_reduce(a2t, t2a, m_all, batch, reduction, return_terms, out_dtype, masked)
     a_all, offset = _gather(a, enabled, validate)
     t_all, _ = _gather(t, enabled, validate)
     m_all = None if m is None else _gather_no_grad(m, enabled, validate)
     batch = _batch(offset, a_all.shape[0], enabled)
     glob = _Global(a_all, t_all, m_all, offset)
+    excluded = None
+    if gd is not None:  # positives on the diagonal in both orientations
+        own = _diagonal_mask(a.shape[0], a_all.shape[0], offset, a.device)
+        excluded = _guide.dense_masks(gd, own)
     if negatives == "per_language" and enabled:
-        a2t, t2a = _per_language_gathered(a, t, m, glob)
+        a2t, t2a = _per_language_gathered(a, t, m, glob, excluded)
     elif negatives == "per_language":
-        a2t, t2a = _per_language_local(a, t, m, text_norms if fused else None)
+        a2t, t2a = _per_language_local(a, t, m, text_norms if fused else None, excluded)
     else:
-        a2t, t2a = _all_languages(a, t, m, glob)
+        a2t, t2a = _all_languages(a, t, m, glob, excluded)
+    if neg is not None:
+        a2t, t2a = _hard_negatives.kcl_pairs((a2t, t2a), a, t, m, hard, neg)
+    masked = _guide_masked(gd, m, m_all, negatives, batch, chunk_size, return_terms, k)
+    return _kcl_reduce(a2t, t2a, m_all, batch, reduction, return_terms, out_dtype, masked)
 
-    return _kcl_reduce(a2t, t2a, m_all, batch, reduction, return_terms, out_dtype)
+
+def _guide_masked(
+    gd: _guide.Guide | None,
+    m: Tensor | None,
+    m_all: Tensor | None,
+    negatives: str,
+    batch: _Batch,
+    chunk_size: int | None,
+    wanted: bool,
+    k_langs: int,
+) -> Tensor | None:
+    """``guide_masked`` of a KCL call (``None`` without a guide or unless ``wanted``):
+    per language the present pairs, or all ``N * K`` captions for
+    ``negatives="all_languages"``."""
+    if gd is None or not wanted:
+        return None
+    b, n, offset = gd.audio.shape[0], gd.audio_all.shape[0], batch.offset
+    gathered = batch.world > 1
+    if negatives == "per_language":
+        valid = (None if m is None else m.T, None if m_all is None else m_all.T)
+        return _guide.fraction(gd.tiles(), offset, None, valid, chunk_size, False, gathered)
+    rows = torch.arange(offset, offset + b, device=gd.audio.device)
+    cols = torch.arange(n, device=gd.audio.device).repeat_interleave(k_langs)
+    valid = (None, None if m_all is None else m_all.reshape(1, -1))
+    return _guide.fraction(
+        gd.tiles(k_langs), offset, (rows, cols), valid, chunk_size, False, gathered
+    )
 
 
 def _tiled_pairs(
@@ -219,9 +301,12 @@ def _tiled_pairs(
     enabled: bool,
     chunk_size: int,
     validate: bool,
+    gd: _guide.Guide | None = None,
 ) -> tuple[Tensor, Tensor, int, int, Tensor | None]:
     """Per-pair a->t and t->a losses ``(b, K)`` over column tiles (no ``(K, b, N)``
-    scores); also the offset, the global batch size and the gathered mask."""
+    scores); also the offset, the global batch size and the gathered mask. ``gd``: the
+    guide, one ``(b, chunk)`` tile shared by the K languages (or repeated over each
+    clip's K captions)."""
     b, k_langs, _ = t.shape
     t_all, offset = _gather(t, enabled, validate)  # (N, K, D); the audio stays local
     n = t_all.shape[0]
@@ -238,6 +323,7 @@ def _tiled_pairs(
             chunk_size,
             (offset, offset + b),
             enabled,
+            None if gd is None else gd.tiles(),
         )  # (K, b) each
         return a2t_k.T, t2a_k.T, offset, n, m_all
     # One problem: audio against all N*K captions, its own K (present) positive.
@@ -254,6 +340,7 @@ def _tiled_pairs(
         chunk_size,
         (offset * k_langs, (offset + b) * k_langs),
         enabled,
+        None if gd is None else gd.tiles(k_langs),
     )
     a2t = a2t_r[0][:, None].expand(-1, k_langs)
     t2a = t2a_c[0].reshape(b, k_langs)
@@ -268,6 +355,7 @@ def _kcl_reduce(
     reduction: str,
     return_terms: bool,
     out_dtype: torch.dtype,
+    guide_masked: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Terms]:
     """The loss and terms from the per-pair losses ``(b, K)`` of this rank's rows."""
     b, k_langs = a2t.shape
@@ -284,6 +372,8 @@ def _kcl_reduce(
         # Each language's symmetric loss over its present pairs (local rows under gather).
         "loss_per_language": per_pair.sum(0) / present[offset : offset + b].sum(0).clamp_min(1),
     }
+    if guide_masked is not None:
+        terms["guide_masked"] = guide_masked
     return _finish(loss, terms, return_terms, out_dtype)
 
 
@@ -299,11 +389,15 @@ class _Global(NamedTuple):
 
 
 def _per_language_gathered(
-    a: Tensor, t: Tensor, m: Tensor | None, glob: _Global
+    a: Tensor,
+    t: Tensor,
+    m: Tensor | None,
+    glob: _Global,
+    excluded: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Eq. 9-10 under gather: this rank's ``(b, K)`` a->t and t->a losses, each row
     against the global batch of its language; ``a`` is already divided by the
-    temperature."""
+    temperature. ``excluded``: the guide's ``(b, N)`` a->t and t->a masks."""
     a_all, t_all, m_all, offset = glob
     b, k_langs, dim = t.shape
     row_mask = None if m is None else m.T  # (K, b)
@@ -313,17 +407,25 @@ def _per_language_gathered(
     t2a_scores = t.transpose(0, 1) @ a_all.T
     a2t_scores = (a @ t_all.reshape(-1, dim).T).reshape(b, t_all.shape[0], k_langs)
     a2t_scores = a2t_scores.permute(2, 0, 1)
+    if excluded is not None:  # the same clip pairs in every language
+        a2t_scores = _guide.fill(a2t_scores, excluded[0])
+        t2a_scores = _guide.fill(t2a_scores, excluded[1])
     a2t = _per_language_ce(a2t_scores, row_mask, col_mask, offset).T  # (b, K)
     t2a = _per_language_ce(t2a_scores, row_mask, col_mask, offset).T  # (b, K)
     return a2t, t2a
 
 
 def _per_language_local(
-    a: Tensor, t: Tensor, m: Tensor | None, text_norms: Tensor | None
+    a: Tensor,
+    t: Tensor,
+    m: Tensor | None,
+    text_norms: Tensor | None,
+    excluded: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Eq. 9-10 on one process: the ``(B, K)`` a->t and t->a losses from one GEMM and
     one fused cross-entropy of both directions. With ``text_norms`` the captions ``t``
-    are raw and normalised through the scores (the fast path)."""
+    are raw and normalised through the scores (the fast path). ``excluded``: the guide's
+    ``(B, B)`` a->t and t->a masks."""
     b, k_langs, dim = t.shape
     row_mask = None if m is None else m.T  # (K, b)
     # One GEMM: (B*K, D) @ (D, B) -> (K, B_text, B_audio); a->t is its transpose.
@@ -337,16 +439,26 @@ def _per_language_local(
     if row_mask is not None:  # absent captions leave rows and columns alike
         valid = row_mask[:, :, None] & row_mask[:, None, :]  # (K, B, B)
         t2a_scores = t2a_scores.masked_fill(~valid, torch.finfo(t2a_scores.dtype).min)
-    t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores)  # (K, B) each
+    if excluded is not None:  # the scores are t->a: its rows are the captions' anchors
+        a2t_ex = excluded[0].T
+        excluded = (a2t_ex, a2t_ex) if excluded[1] is excluded[0] else (excluded[1], a2t_ex)
+    t2a_k, a2t_k = _SymmetricDiagonalCE.apply(t2a_scores, excluded)  # (K, B) each
     if row_mask is not None:
         t2a_k, a2t_k = t2a_k * row_mask, a2t_k * row_mask
     return a2t_k.T, t2a_k.T  # (B, K)
 
 
-def _all_languages(a: Tensor, t: Tensor, m: Tensor | None, glob: _Global) -> tuple[Tensor, Tensor]:
+def _all_languages(
+    a: Tensor,
+    t: Tensor,
+    m: Tensor | None,
+    glob: _Global,
+    excluded: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """``negatives="all_languages"`` (Nie et al. 2024): each audio against all ``N*K``
     captions, its own K positive; each caption against all ``N`` audios. ``(b, K)`` each,
-    the a->t loss repeated over the clip's languages; 0 at absent captions."""
+    the a->t loss repeated over the clip's languages; 0 at absent captions. ``excluded``:
+    the guide's ``(b, N)`` a->t and t->a masks, each clip's over its K captions."""
     a_all, t_all, m_all, offset = glob
     b, k_langs, dim = t.shape
     a2t_logits = a @ t_all.reshape(-1, dim).T  # (b, N*K)
@@ -360,8 +472,14 @@ def _all_languages(a: Tensor, t: Tensor, m: Tensor | None, glob: _Global) -> tup
         )
         positives = positives & m_all[None]
     n_cols = a_all.shape[0] * k_langs
-    a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, n_cols))[:, None]  # (b, 1)
     t2a_logits = t.reshape(-1, dim) @ a_all.T  # (b*K, N)
+    if excluded is not None:
+        n = a_all.shape[0]
+        a2t_mask = excluded[0][:, :, None].expand(-1, -1, k_langs).reshape(b, n_cols)
+        a2t_logits = _guide.fill(a2t_logits, a2t_mask)
+        t2a_mask = excluded[1][:, None, :].expand(-1, k_langs, -1).reshape(b * k_langs, n)
+        t2a_logits = _guide.fill(t2a_logits, t2a_mask)
+    a2t = _multi_positive_ce(a2t_logits, positives.reshape(b, n_cols))[:, None]  # (b, 1)
     target = (torch.arange(b, device=a.device) + offset).repeat_interleave(k_langs)
     t2a = F.cross_entropy(t2a_logits, target, reduction="none").reshape(b, k_langs)
     a2t = a2t.expand(-1, k_langs)
@@ -379,9 +497,12 @@ class KCLLoss(_TemperatureMixin):
         negatives: ``"per_language"`` (ATRI Eq. 9–11) or ``"all_languages"``.
         normalize, reduction, gather, chunk_size, validate_args: as in
             :class:`InfoNCELoss`; ``"none"`` gives ``(B, K)``.
+        guide_margin, guide_strategy: the guided filter's settings, as in
+            :class:`InfoNCELoss`, used when ``forward`` gets a ``guide``.
 
     Shape:
-        ``forward(audio (B, D), text (B, K, D), mask (B, K) = None)`` -> scalar or ``(B, K)``.
+        ``forward(audio (B, D), text (B, K, D), mask (B, K) = None, guide=(B, Dg))`` ->
+        scalar or ``(B, K)``.
 
     Example:
         >>> import torch
@@ -403,9 +524,12 @@ class KCLLoss(_TemperatureMixin):
         gather: bool | None = None,
         chunk_size: int | None = None,
         validate_args: bool | None = None,
+        guide_margin: float = 0.0,
+        guide_strategy: str = "absolute",
     ) -> None:
         super().__init__()
         _checks.check_choice(negatives, "negatives", ("per_language", "all_languages"))
+        self.guide_margin, self.guide_strategy = _guide.check_settings(guide_margin, guide_strategy)
         self._init_settings(normalize, reduction, gather, chunk_size, validate_args)
         self._init_temperature(temperature, learnable_temperature, max_logit_scale)
         self.negatives = negatives
@@ -422,6 +546,11 @@ class KCLLoss(_TemperatureMixin):
         *,
         logit_scale: Tensor | None = None,
         return_terms: bool = False,
+        hard_negatives: Tensor | None = None,
+        hard_negatives_mask: Tensor | None = None,
+        audio_hard_negatives: Tensor | None = None,
+        audio_hard_negatives_mask: Tensor | None = None,
+        guide: Tensor | tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         r"""The loss of one batch.
 
@@ -429,11 +558,16 @@ class KCLLoss(_TemperatureMixin):
             audio: audio embeddings ``(B, D)``.
             text: captions ``(B, K, D)``, ``text[i, k]`` of clip ``i`` in language ``k``.
             mask: optional bool ``(B, K)``, ``True`` where the caption exists.
+            guide: a frozen guide's ``(B, Dg)`` embeddings (one per clip), or a pair
+                ``(guide_audio, guide_text)`` (see :func:`~contrastive_losses.functional.kcl`).
             logit_scale: the model's exp'd scale :math:`1/\tau`, a 0-d tensor, used
                 instead of this Module's temperature, with gradient; refused when the
                 temperature is learnable here.
             return_terms: also return the detached terms (``loss_a2t``, ``loss_t2a``,
                 ``temperature``, ...; see :func:`~contrastive_losses.functional.kcl`).
+            hard_negatives, hard_negatives_mask, audio_hard_negatives, audio_hard_negatives_mask:
+                hard negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
+                every anchor's softmax (see :func:`~contrastive_losses.functional.kcl`).
 
         Returns:
             The loss, a scalar (``(B, K)`` with ``reduction="none"``), or ``(loss, terms)``.
@@ -446,12 +580,23 @@ class KCLLoss(_TemperatureMixin):
             negatives=self.negatives,
             logit_scale=logit_scale,
             return_terms=return_terms,
+            hard_negatives=hard_negatives,
+            hard_negatives_mask=hard_negatives_mask,
+            audio_hard_negatives=audio_hard_negatives,
+            audio_hard_negatives_mask=audio_hard_negatives_mask,
+            **_guide.call_settings(self, guide),
         )
 
     def contrastive_pairs(
-        self, audio: Tensor, text: Tensor, mask: Tensor | None = None
+        self,
+        audio: Tensor,
+        text: Tensor,
+        mask: Tensor | None = None,
+        guide: object = None,
+        **hard_negatives: object,
     ) -> list[ContrastivePair]:
-        """One ``(audio, captions of language k)`` pair per language, rows masked."""
+        """One ``(audio, captions of language k)`` pair per language, rows masked (hard
+        negatives are no pair)."""
         # Layout only: forward validated the batch (its size globally, under gather, where
         # a rank may hold one sample or none; a local minimum here would fail one rank alone).
         _checks.check_embeddings(

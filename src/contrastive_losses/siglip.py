@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks, _compat
+from . import _checks, _compat, _guide, _hard_negatives
 from ._common import (
     MIN_PLAUSIBLE_SCALE,
     MIN_TEMPERATURE,
@@ -25,6 +25,7 @@ from ._common import (
     _batch,
     _check_logit_scale,
     _cpu_constant,
+    _diagonal_mask,
     _finish,
     _gather,
     _gather_no_grad,
@@ -126,6 +127,13 @@ def siglip(
     return_terms: bool = False,
     chunk_size: int | None = None,
     validate_args: bool | None = None,
+    hard_negatives: Tensor | None = None,
+    hard_negatives_mask: Tensor | None = None,
+    audio_hard_negatives: Tensor | None = None,
+    audio_hard_negatives_mask: Tensor | None = None,
+    guide: Tensor | tuple[Tensor, Tensor] | None = None,
+    guide_margin: float = 0.0,
+    guide_strategy: str = "absolute",
 ) -> Tensor | tuple[Tensor, Terms]:
     r"""Pairwise sigmoid loss (SigLIP, Zhai et al. 2023).
 
@@ -161,9 +169,31 @@ def siglip(
             those of ``scale`` and ``bias`` included).
         validate_args: value checks on, off (no host sync) or ``None`` (the global
             default), as in :func:`~contrastive_losses.functional.info_nce`.
+        hard_negatives: optional hard-negative texts ``(B, H, D)``, normalised as the batch:
+            every present one (of every row and, gathered, of every rank) adds the
+            negative-label pair term
+            :math:`\operatorname{softplus}(c\langle a_i, n\rangle + b)` to every audio
+            anchor's row; counted like the in-batch pairs (``"mean"`` still divides by
+            the global batch size ``B``). Never anchors themselves.
+        hard_negatives_mask: optional bool ``(B, H)``, ``True`` where present.
+        audio_hard_negatives: optional hard-negative audio ``(B, H', D)``: the pair term
+            :math:`\operatorname{softplus}(c\langle m, t_i\rangle + b)` of every audio
+            negative :math:`m` with every text :math:`t_i`, added to row :math:`i`.
+        audio_hard_negatives_mask: optional bool ``(B, H')`` for ``audio_hard_negatives``.
+        guide: guided false-negative filtering, a frozen model's ``(B, Dg)``
+            embeddings or a pair ``(guide_audio, guide_text)``, as in
+            :func:`~contrastive_losses.functional.info_nce`: a negative pair
+            :math:`(i, j)` leaves the sum when the guide excludes it for either anchor,
+            :math:`G_{ij} > \theta_i` or :math:`G_{ij} > \theta_j` with
+            :math:`\theta_i = G_{ii} - m` (``"absolute"``) or :math:`G_{ii}(1 - m)`
+            (``"relative"``). ``return_terms`` adds ``"guide_masked"``, the excluded
+            share of the negative pairs.
+        guide_margin: :math:`m \ge 0`.
+        guide_strategy: ``"absolute"`` or ``"relative"``.
 
     Shape:
-        audio ``(B, D)``, text ``(B, D)``; output scalar or ``(B,)``.
+        audio ``(B, D)``, text ``(B, D)``, hard_negatives ``(B, H, D)``, hard_negatives_mask
+        ``(B, H)``, guide ``(B, Dg)``; output scalar or ``(B,)``.
 
     Example:
         >>> import torch
@@ -182,6 +212,7 @@ def siglip(
         scale, bias = _model_scale_bias(scale, bias, logit_scale, logit_bias, audio, validate)
         _checks.check_chunk_size(chunk_size)
         a, t, ids = _pair_and_ids(audio, text, ids, normalize, v.min_batch, validate)
+        g = _guide.check_guide(guide, guide_margin, guide_strategy, widen(a), validate)
         _logit_range([(a, "audio", t, "text")], normalize, validate, scale=scale, shift=bias)
         v.batch = a.shape[0]
         if v.active:  # the ranks check together (else nothing is recorded)
@@ -192,25 +223,60 @@ def siglip(
                 "bias dtype": _value_dtype(bias),
             }
             _agree_pair(v, audio, text, ids, reduction, chunk_size, normalize, settings)
+            _guide.record(v, g, guide_margin, guide_strategy)
+        neg = _hard_negatives.check_negatives(
+            v,
+            (audio, a, t),
+            (hard_negatives, hard_negatives_mask),
+            (audio_hard_negatives, audio_hard_negatives_mask),
+            (normalize, validate, "hard_negatives"),
+            scale,
+            bias,
+        )
     dtype = audio.dtype  # of the loss; half inputs are computed in float32
     a, t = widen(a), widen(t)
     a, t, ids = v.ordered(a, t, ids)  # gathered only after the ranks' exchange
+    gd = _guide.expand(g, v, enabled, validate)
     t_all, offset = _gather(t, enabled, validate)
     ids_all = None if ids is None else _gather_no_grad(ids, enabled, validate)
     chunk = _tile_width(chunk_size, t_all.shape[0])
+    tiles = None if gd is None else gd.tiles()
     if chunk is None:  # reduced whole (one reduction) unless the rows are asked for
         pairs = _dense_pair_losses(a, t_all, scale, bias, offset, ids, ids_all)
+        if tiles is not None:  # an excluded pair leaves the sum
+            pairs = pairs.masked_fill(_excluded_pairs(tiles, offset, ids, ids_all), 0)
         per_row = pairs.sum(dim=1) if reduction == "none" else pairs
     else:
         s_t, b_t = (_as_tensor(v, a).to(a.dtype) for v in (scale, bias))
         col_ids = distinct_ids(ids, ids_all)
-        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, col_ids, chunk)
+        per_row = _TiledSigmoid.apply(a, t_all, s_t, b_t, offset, ids, col_ids, chunk, tiles)
+    if neg is not None:  # each row's pairs plus its hard negatives' pair terms
+        neg = neg.ordered(v).gathered(enabled, validate)
+        per_row = _hard_negatives.siglip_rows(per_row, a, t, scale, bias, neg, chunk_size)
     batch = _batch(offset, t_all.shape[0], enabled)
     loss = _reduce(per_row, reduction, batch.n_global, batch)
     if not return_terms:
         return _narrow(loss, dtype)
     terms = {"scale": _as_tensor(scale, a), "bias": _as_tensor(bias, a)}
+    if tiles is not None:
+        pair_ids = None if ids is None or ids_all is None else (ids, ids_all)
+        terms["guide_masked"] = _guide.fraction(
+            tiles, offset, pair_ids, (None, None), chunk, True, enabled
+        )
     return _finish(loss, terms, return_terms, dtype)
+
+
+def _excluded_pairs(
+    tiles: _guide.Tiles, offset: int, ids: Tensor | None, ids_all: Tensor | None
+) -> Tensor:
+    """``(b, N)``: the negative pairs the guide excludes for either anchor."""
+    b, n = tiles[0].shape[0], tiles[1].shape[0]
+    if ids is None or ids_all is None:
+        positives = _diagonal_mask(b, n, offset, tiles[0].device)
+    else:
+        positives = ids[:, None] == ids_all[None, :]
+    row, col = _guide.tile_masks(tiles, 0, n, positives)
+    return row if col is row else row | col
 
 
 def _as_tensor(value: float | Tensor, ref: Tensor) -> Tensor:
@@ -276,9 +342,12 @@ class SigLIPLoss(_LossSettings):
         bias_init: initial bias :math:`b` (SigLIP: -10).
         learnable: learn scale and bias (default) or keep them fixed.
         normalize, reduction, gather, chunk_size, validate_args: as in :class:`InfoNCELoss`.
+        guide_margin, guide_strategy: the guided filter's settings, as in
+            :class:`InfoNCELoss`, used when ``forward`` gets a ``guide``.
 
     Shape:
-        ``forward(audio (B, D), text (B, D), ids (B,) = None)`` -> scalar or ``(B,)``.
+        ``forward(audio (B, D), text (B, D), ids (B,) = None, guide=(B, Dg))`` -> scalar
+        or ``(B,)``.
 
     Example:
         >>> import torch
@@ -298,9 +367,12 @@ class SigLIPLoss(_LossSettings):
         gather: bool | None = None,
         chunk_size: int | None = None,
         validate_args: bool | None = None,
+        guide_margin: float = 0.0,
+        guide_strategy: str = "absolute",
     ) -> None:
         super().__init__()
         _refuse_trainable(scale_init, "scale_init", "learnable=True")
+        self.guide_margin, self.guide_strategy = _guide.check_settings(guide_margin, guide_strategy)
         _refuse_trainable(bias_init, "bias_init", "learnable=True")
         _checks.check_positive(scale_init, "scale_init")
         _checks.resolve_validate(validate_args)  # the type
@@ -373,6 +445,11 @@ class SigLIPLoss(_LossSettings):
         logit_scale: Tensor | None = None,
         logit_bias: Tensor | None = None,
         return_terms: bool = False,
+        hard_negatives: Tensor | None = None,
+        hard_negatives_mask: Tensor | None = None,
+        audio_hard_negatives: Tensor | None = None,
+        audio_hard_negatives_mask: Tensor | None = None,
+        guide: Tensor | tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """The loss of one batch.
 
@@ -380,12 +457,18 @@ class SigLIPLoss(_LossSettings):
             audio: audio embeddings ``(B, D)``.
             text: text embeddings ``(B, D)``; ``text[i]`` is the positive of ``audio[i]``.
             ids: optional integer sample ids ``(B,)``; equal ids are positives.
+            guide: a frozen guide's ``(B, Dg)`` embeddings, or a pair ``(guide_audio,
+                guide_text)``: pairs it excludes leave the sum (see
+                :func:`~contrastive_losses.functional.siglip`).
             logit_scale: the model's exp'd scale :math:`c`, a 0-d tensor (open_clip's
                 ``logit_scale.exp()``), used instead of this Module's scale, with gradient.
             logit_bias: the model's bias :math:`b`, a 0-d tensor, used instead of this
                 Module's bias. Both are refused when this Module learns its own
                 (``learnable=True``, the default): build it with ``learnable=False``.
             return_terms: also return the detached terms ``{"scale", "bias"}``.
+            hard_negatives, hard_negatives_mask, audio_hard_negatives, audio_hard_negatives_mask:
+                hard negatives ``(B, H, D)`` and their bool masks ``(B, H)``, extra columns of
+                every anchor's softmax (see :func:`~contrastive_losses.functional.siglip`).
 
         Returns:
             The loss, a scalar (``(B,)`` row sums with ``reduction="none"``), or
@@ -404,11 +487,27 @@ class SigLIPLoss(_LossSettings):
         )
         bias = {"bias": self.bias} if logit_bias is None else {"logit_bias": logit_bias}
         return siglip(
-            audio, text, ids=ids, return_terms=return_terms, **scale, **bias, **self._settings()
+            audio,
+            text,
+            ids=ids,
+            return_terms=return_terms,
+            hard_negatives=hard_negatives,
+            hard_negatives_mask=hard_negatives_mask,
+            audio_hard_negatives=audio_hard_negatives,
+            audio_hard_negatives_mask=audio_hard_negatives_mask,
+            **scale,
+            **bias,
+            **self._settings(),
+            **_guide.call_settings(self, guide),
         )
 
     def contrastive_pairs(
-        self, audio: Tensor, text: Tensor, ids: Tensor | None = None
+        self,
+        audio: Tensor,
+        text: Tensor,
+        ids: Tensor | None = None,
+        guide: object = None,
+        **hard_negatives: object,
     ) -> list[ContrastivePair]:
-        """The one ``(audio, text)`` pair this loss contrasts."""
+        """The one ``(audio, text)`` pair this loss contrasts (hard negatives are no pair)."""
         return [ContrastivePair(audio, text)]
