@@ -120,6 +120,16 @@ SPECS: dict[str, list[RowsSpec | MarkdownSpec]] = {
             extras=["target", ""],
         )
     ],
+    "dense_step": [
+        MarkdownSpec(
+            key="table_markdown",
+            title="InfoNCE's dense step over one matmul (B = D = 1024) and ClipLoss over "
+            "open_clip's (B = 32), fwd+bwd, one thread",
+            labels=["ratio", "candidate", "B"],
+            ratios=["cpu ratio (median of the runs)", "wall ratio"],
+            extras=["range over the runs", "target", ""],
+        )
+    ],
     "svr": [
         RowsSpec(
             "rows",

@@ -109,6 +109,34 @@ def test_info_nce_column_log_softmax_equals_the_transposed_cross_entropy(monkeyp
     torch.testing.assert_close(columns[0], rows.mean().detach(), rtol=1e-13, atol=0)
 
 
+@pytest.mark.parametrize("learnable", [False, True])
+def test_info_nce_fused_means_equal_the_cross_entropies(monkeypatch, learnable):
+    """From _FUSED_MEANS_MIN rows the one-process mean comes from _SymmetricMeanCE: the
+    value, terms and gradients (the scale's too, when it is a tensor) of the two
+    cross-entropies to rounding (float64), and the per-sample path's mean. A float
+    temperature rides into the Function as its constant scale; a tensor scale is taken
+    on the (B, D) side."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(9.0, dtype=torch.float64, requires_grad=True)
+    scale = {"logit_scale": s} if learnable else {"temperature": 0.2}
+    inputs = (a, t, s) if learnable else (a, t)
+
+    def value_and_grads():
+        out, terms = CF.info_nce(a, t, return_terms=True, **scale)
+        return out.detach(), terms, torch.autograd.grad(out, inputs)
+
+    monkeypatch.setattr(R, "_FUSED_MEANS_MIN", 0)
+    fused = value_and_grads()
+    monkeypatch.setattr(R, "_FUSED_MEANS_MIN", 10**9)
+    plain = value_and_grads()
+    torch.testing.assert_close(fused[:2], plain[:2], rtol=1e-14, atol=0)
+    torch.testing.assert_close(fused[2], plain[2], rtol=1e-12, atol=1e-15)
+    rows = CF.info_nce(a, t, reduction="none", **scale)
+    torch.testing.assert_close(fused[0], rows.mean().detach(), rtol=1e-13, atol=0)
+
+
 def _drop_ins_step(b: int) -> list[torch.Tensor]:
     """Both drop-ins' losses and gradients on one fresh batch of ``b`` (float32)."""
     g = torch.Generator().manual_seed(b)

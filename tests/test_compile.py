@@ -30,6 +30,7 @@ from contrastive_losses import (
     SupportVectorRegularizer,
     _compat,
 )
+from contrastive_losses import _nce_rows as R
 from contrastive_losses import functional as CF
 from contrastive_losses._kernels import (
     _Distance,
@@ -37,6 +38,7 @@ from contrastive_losses._kernels import (
     _L2Normalize,
     _NormalizedRowsMatmul,
     _SymmetricDiagonalCE,
+    _SymmetricMeanCE,
     _TiledCrossEntropy,
     _TiledSigmoid,
     _UpperClamp,
@@ -256,6 +258,8 @@ FUNCTIONS: dict[str, tuple[Callable, Callable[[torch.Generator], tuple]]] = {
         lambda g: (torch.randn(6, 5, generator=g), torch.randn(4, 5, generator=g))),
     "symmetric_diagonal_ce": (lambda s: _weighted(*_SymmetricDiagonalCE.apply(s)),
                               lambda g: (torch.randn(3, 5, 5, generator=g),)),
+    "symmetric_mean_ce": (lambda x, y: _weighted(*_SymmetricMeanCE.apply(x, y, 2.5)), lambda g: (
+        torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g))),
     "gram": (lambda y: _weighted(_Gram.apply(y)), lambda g: (torch.randn(6, 5, generator=g),)),
     "distance": (lambda x, y: _weighted(_Distance.apply(x, y)),
                  lambda g: (torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g))),
@@ -300,6 +304,27 @@ def test_each_function_compiled_matches_eager(name: str) -> None:
         name, eager, _step(torch.compile(fn, fullgraph=True, backend="aot_eager"), None, args, {})
     )
     assert all(g.abs().sum() > 0 for g in eager[1]), f"{name}: a zero gradient in eager"
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_fused_dense_means_compile(monkeypatch, learnable: bool) -> None:
+    """InfoNCE's one-process mean through _SymmetricMeanCE (its batch threshold lowered
+    to this batch): fullgraph compiles, equal to eager, with a float temperature (the
+    Function's constant scale) and a learnable one (a tensor scale)."""
+    if _compat.TORCH[:2] < _compat.MIN_TORCH_COMPILE:
+        pytest.skip("the losses refuse compile on this torch (test_fullgraph_compiles_... checks)")
+    monkeypatch.setattr(R, "_FUSED_MEANS_MIN", 0)
+    torch._dynamo.reset()
+    make = (
+        (lambda: InfoNCELoss(learnable_temperature=True))
+        if learnable
+        else (lambda: _with(CF.info_nce, temperature=0.2))
+    )
+    eager_loss, compiled_loss = make(), make()
+    compiled = torch.compile(compiled_loss, fullgraph=True, backend="aot_eager")
+    args, kwargs = _inputs("info_nce", 8)
+    _assert_same("info_nce fused", _step(eager_loss, eager_loss, args, kwargs),
+                 _step(compiled, compiled_loss, args, kwargs))  # fmt: skip
 
 
 def test_inductor_matches_eager_for_every_loss() -> None:

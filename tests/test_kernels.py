@@ -3,6 +3,7 @@ gradients, and ``gradcheck`` in float64."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import randn
 
@@ -12,6 +13,7 @@ from contrastive_losses._kernels import (
     _NormalizedRowsMatmul,
     _per_language_ce,
     _SymmetricDiagonalCE,
+    _SymmetricMeanCE,
     _UpperClamp,
     l2_normalize,
 )
@@ -45,6 +47,58 @@ def test_symmetric_diagonal_ce_equals_autograd_path(gen):
     torch.testing.assert_close(s1.grad, s2.grad)
     leaf = randn(gen, 2, 4, 4).requires_grad_()
     assert torch.autograd.gradcheck(lambda x: _SymmetricDiagonalCE.apply(x), (leaf,))
+
+
+def _two_cross_entropies(a, t, scale):
+    """autograd's path for InfoNCE's two means: two fused cross-entropies of the logits."""
+    logits = scale * a @ t.T
+    target = torch.arange(a.shape[0])
+    return (
+        torch.nn.functional.cross_entropy(logits, target),
+        torch.nn.functional.cross_entropy(logits.T, target),
+    )
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.5])
+def test_symmetric_mean_ce_equals_two_cross_entropies(gen, scale):
+    """The dense means' Function (the matmul inside, the float scale on the logits, one
+    gradient buffer) against autograd's two cross-entropies: both values, and the
+    gradients of a weighting that tells the two means apart; gradcheck in float64."""
+    a = randn(gen, 7, 5).requires_grad_()
+    t = randn(gen, 7, 5).requires_grad_()
+    rows, cols = _SymmetricMeanCE.apply(a, t, scale)
+    plain_rows, plain_cols = _two_cross_entropies(a, t, scale)
+    torch.testing.assert_close(rows, plain_rows)
+    torch.testing.assert_close(cols, plain_cols)
+    fused = torch.autograd.grad(0.3 * rows + 1.7 * cols, (a, t))
+    plain = torch.autograd.grad(0.3 * plain_rows + 1.7 * plain_cols, (a, t))
+    torch.testing.assert_close(fused, plain)
+    a64, t64 = a.detach().double().requires_grad_(), t.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, y: _SymmetricMeanCE.apply(x, y, scale), (a64, t64))
+
+
+def test_symmetric_mean_ce_keeps_far_logits_exact(gen):
+    """Logits hundreds apart (float32): softmax entries and the positives' probabilities
+    underflow to 0, yet each log-sum-exp comes from its row's (column's) max, so the
+    means and gradients stay those of the cross-entropies, finite."""
+    a = torch.nn.functional.normalize(randn(gen, 6, 4), dim=-1).float().requires_grad_()
+    t = torch.nn.functional.normalize(randn(gen, 6, 4), dim=-1).float().requires_grad_()
+    fused = _SymmetricMeanCE.apply(a, t, 300.0)
+    plain = _two_cross_entropies(a, t, 300.0)
+    torch.testing.assert_close(fused, plain)
+    assert all(v.isfinite() for v in fused) and max(plain) > 100  # past exp's range
+    g_fused = torch.autograd.grad(fused[0] + 2 * fused[1], (a, t))
+    g_plain = torch.autograd.grad(plain[0] + 2 * plain[1], (a, t))
+    torch.testing.assert_close(g_fused, g_plain)
+
+
+def test_symmetric_mean_ce_skips_an_input_without_grad(gen):
+    """Only the input that requires grad gets one (no GEMM for the other)."""
+    a, t = randn(gen, 5, 3).requires_grad_(), randn(gen, 5, 3)
+    (grad_a,) = torch.autograd.grad(sum(_SymmetricMeanCE.apply(a, t, 2.0)), (a,))
+    a2 = a.detach().requires_grad_()
+    (plain,) = torch.autograd.grad(sum(_two_cross_entropies(a2, t, 2.0)), (a2,))
+    torch.testing.assert_close(grad_a, plain)
 
 
 def test_normalized_rows_matmul_equals_normalize_then_matmul(gen):

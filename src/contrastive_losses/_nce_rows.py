@@ -23,7 +23,7 @@ from ._common import (
     _gather_no_grad,
     _tile_width,
 )
-from ._kernels import _TiledCrossEntropy, distinct_ids
+from ._kernels import _SymmetricMeanCE, _TiledCrossEntropy, distinct_ids
 
 
 def _multi_positive_ce(logits: Tensor, positives: Tensor) -> Tensor:
@@ -44,18 +44,29 @@ def _multi_positive_ce(logits: Tensor, positives: Tensor) -> Tensor:
 # way. Below it the transposed view's one fused call is cheaper (0.84x against 0.95x at
 # B = 32; the maths alone, forward and backward, one CPU thread).
 _COLUMN_SOFTMAX_MIN = 128
+# From this one on, both means come from :class:`_SymmetricMeanCE` (the logits' matmul,
+# both means, one (B, B) gradient buffer, two plain GEMMs): against the two
+# cross-entropies 0.81x at B = 512 and 0.51x at 1024 with D = 64, 0.96x and 0.86x with
+# D = 512; below 512 the Function's fixed cost does not pay (1.23-1.34x at B = 32, about
+# 1.0x at 256). Through the cross-entropies the step at B = D = 1024 cost 3.5-3.9
+# B x B x D matmuls (floor 3), their passes over (B, B) most of the rest.
+_FUSED_MEANS_MIN = 512
 
 
 def _info_nce_means(a: Tensor, t: Tensor, scale: float | Tensor) -> tuple[Tensor, Tensor]:
     """The mean a->t and t->a cross-entropies of one process's ``(B, D)`` batch without
-    ids, dense: :func:`_info_nce_rows` reduced by ``"mean"``, in two fused
-    ``F.cross_entropy`` calls (open_clip's ops) instead of per-sample losses and five
-    reductions: at ``B = 32`` those cost a quarter of the loss's forward and backward.
-    From :data:`_COLUMN_SOFTMAX_MIN` rows on the t->a mean is the diagonal's mean of the
-    log-softmax down the columns, the same value and gradients to rounding."""
+    ids, dense: :func:`_info_nce_rows` reduced by ``"mean"``, without per-sample losses
+    and five reductions (at ``B = 32`` those cost a quarter of the loss's forward and
+    backward): two fused ``F.cross_entropy`` calls (open_clip's ops), the t->a one down
+    the columns from :data:`_COLUMN_SOFTMAX_MIN` rows, and :class:`_SymmetricMeanCE` from
+    :data:`_FUSED_MEANS_MIN` on; the same values and gradients to rounding."""
+    b = a.shape[0]
+    if b >= _FUSED_MEANS_MIN:
+        if isinstance(scale, Tensor):  # its gradient from autograd
+            return _SymmetricMeanCE.apply(a * scale, t, 1.0)
+        return _SymmetricMeanCE.apply(a, t, scale)
     a = a * scale  # the (B, D) side, not the (B, B) logits; as in _info_nce_rows
     logits = a @ t.T  # (B, B)
-    b = a.shape[0]
     target = _cpu_constant(("labels", b), a, lambda: torch.arange(b, device=a.device))
     if b < _COLUMN_SOFTMAX_MIN:
         return F.cross_entropy(logits, target), F.cross_entropy(logits.T, target)
