@@ -370,3 +370,92 @@ def test_hard_negatives_are_cut_with_the_batch_and_a_guide_is_not() -> None:
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="hard_negatives: last dim 6 differs"):
         MatryoshkaLoss(base, DIMS)(a, t, hard_negatives=torch.randn(B, 2, 6))
+
+
+# ------------------------------------------------ the one-pass path of a plain InfoNCE
+
+
+@pytest.fixture
+def nested_calls(monkeypatch):
+    """Count the calls of the one-pass path (:func:`nested_info_nce`)."""
+    from contrastive_losses import matryoshka
+
+    calls = []
+    real = matryoshka.nested_info_nce
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["dims"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(matryoshka, "nested_info_nce", spy)
+    return calls
+
+
+def _loop(base, a, t, dims, weights, **kw):
+    return sum(w * base(a[:, :d], t[:, :d], **kw) for d, w in zip(dims, weights, strict=True))
+
+
+@pytest.mark.parametrize("b", [6, 130], ids=["transposed", "column-softmax"])
+@pytest.mark.parametrize("scale", ["fixed", "learnable", "logit_scale"])
+def test_plain_infonce_takes_one_pass_and_equals_the_loop(nested_calls, b, scale) -> None:
+    """Values and the gradients of both inputs and of the temperature (or the model's
+    scale) equal the per-prefix loop, below and above the column-softmax batch size."""
+    g = torch.Generator().manual_seed(b)
+    a = torch.randn(b, D, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(b, D, generator=g, dtype=torch.float64, requires_grad=True)
+    base = InfoNCELoss(0.1, learnable_temperature=scale == "learnable").double()
+    kw = {}
+    if scale == "logit_scale":
+        kw["logit_scale"] = torch.tensor(12.0, dtype=torch.float64, requires_grad=True)
+    leaves = [a, t, *base.parameters(), *kw.values()]
+    got = MatryoshkaLoss(base, DIMS, WEIGHTS)(a, t, **kw)
+    assert nested_calls == [DIMS]
+    want = _loop(base, a, t, DIMS, WEIGHTS, **kw)
+    torch.testing.assert_close(got, want, **F64)
+    grads = torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)
+    for x, y in zip(*grads, strict=True):
+        torch.testing.assert_close(x, y, **F64)
+
+
+def test_one_pass_gradcheck_and_half_precision(nested_calls) -> None:
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(5, D, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(5, D, generator=g, dtype=torch.float64, requires_grad=True)
+    loss_fn = MatryoshkaLoss(InfoNCELoss(0.2), DIMS, WEIGHTS)
+    assert torch.autograd.gradcheck(lambda x, y: loss_fn(x, y), (a, t))
+    half = loss_fn(a.detach().half(), t.detach().half())
+    wide = loss_fn(a.detach().half().float(), t.detach().half().float())
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), wide, rtol=1e-3, atol=1e-3)
+    assert nested_calls  # every call above took the one-pass path
+
+
+def test_one_pass_refuses_a_zero_prefix(nested_calls) -> None:
+    a, t = torch.randn(B, D), torch.randn(B, D)
+    a[2, :2] = 0  # the row is nonzero, its 2-prefix is not
+    with pytest.raises(ValueError, match=r"audio: row 2's first 2 features are zero"):
+        MatryoshkaLoss(InfoNCELoss(), DIMS)(a, t)
+    assert MatryoshkaLoss(InfoNCELoss(), (8, 4))(a, t).isfinite()  # no 2-prefix asked
+
+
+class _Subclass(InfoNCELoss):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("base", "kwargs", "terms"),
+    [
+        (InfoNCELoss(), {"ids": torch.arange(B)}, False),
+        (InfoNCELoss(chunk_size=2), {}, False),
+        (InfoNCELoss(reduction="sum"), {}, False),
+        (InfoNCELoss(), {"hard_negatives": torch.randn(B, 2, D)}, False),
+        (InfoNCELoss(), {"guide": torch.randn(B, 3)}, False),
+        (InfoNCELoss(), {}, True),
+        (_Subclass(), {}, False),
+    ],
+    ids=["ids", "tiled", "sum", "hard_negatives", "guide", "terms", "subclass"],
+)
+def test_other_calls_take_the_per_prefix_path(nested_calls, base, kwargs, terms) -> None:
+    a, t = torch.randn(B, D), torch.randn(B, D)
+    MatryoshkaLoss(base, DIMS)(a, t, return_terms=terms, **kwargs)
+    assert nested_calls == []

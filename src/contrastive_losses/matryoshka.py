@@ -10,8 +10,10 @@ and the support-vector regulariser around any of them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._docs import init_doc
+from ._gather import resolve_gather
+from ._matryoshka_nce import nested_info_nce
 from .ask import ASKLoss
 from .losses import CACLLoss, InfoNCELoss, KCLLoss, SigLIPLoss
 from .svr import SupportVectorRegularizer
@@ -125,10 +129,13 @@ class MatryoshkaLoss(nn.Module):
     term by term.
 
     Cost: one base call per dim. The prefixes' matmuls are :math:`\sum_m d_m / D` of the
-    full one's (1.875 for ``(D, D/2, D/4, D/8)``); each call also pays the base's
-    ``(B, B)`` softmaxes and normalisation, so at ``B = 256``, ``D = 1024`` (one CPU
-    thread) the forward and backward measured about 2x the base's alone for InfoNCE and
-    SigLIP and 2.2-2.3x for KCL (``benchmarks/bench_matryoshka.py``).
+    full one's (1.875 for ``(D, D/2, D/4, D/8)``), and each call pays the base's
+    ``(B, B)`` softmaxes: 2.1x the base alone at ``B = 256``, ``D = 1024`` (one CPU
+    thread). A plain one-process dense ``InfoNCELoss`` base called with ``(audio, text)``
+    (and at most ``logit_scale``) without ``return_terms`` takes one pass instead: every
+    prefix's logits as running sums of block products over the unit rows
+    (``_matryoshka_nce``), one full product's matmuls, 1.5x the base alone; the same
+    values and gradients to rounding.
 
     Args:
         base: the loss on each prefix: :class:`~contrastive_losses.InfoNCELoss`,
@@ -188,6 +195,10 @@ class MatryoshkaLoss(nn.Module):
             The loss, or ``(loss, terms)``.
         """
         self._check_widths(inputs, kwargs)
+        if not return_terms and self._fused(inputs, kwargs):
+            nested = functools.partial(nested_info_nce, dims=self.dims, weights=self.weights)
+            base = typing.cast(InfoNCELoss, self.base)  # _fused checked its type
+            return typing.cast(Tensor, base._loss(nested, *inputs, return_terms=False, **kwargs))
         cut = [self._prefixes(x) if _is_embedding(x) else None for x in inputs]
         cut_kw = {
             k: self._prefixes(v)
@@ -210,6 +221,24 @@ class MatryoshkaLoss(nn.Module):
             total = term if total is None else total + term
         assert total is not None  # dims is not empty (checked when built)
         return (total, terms) if return_terms else total
+
+    def _fused(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the call takes :func:`nested_info_nce`: every prefix's logits from one
+        pass over the features (1.875 full products' matmuls become one for four
+        halvings). The base must be a plain ``InfoNCELoss`` (not a subclass, whose forward
+        may differ) computing the one-process dense mean of normalised rows, called with
+        ``(audio, text)`` and at most a ``logit_scale``; anything else (ids, hard
+        negatives, a guide, ``chunk_size``, gathering, terms) takes the per-prefix calls."""
+        base = self.base
+        return (
+            type(base) is InfoNCELoss
+            and len(inputs) == 2
+            and set(kwargs) <= {"logit_scale"}
+            and base.reduction == "mean"
+            and base.normalize
+            and base.chunk_size is None
+            and not resolve_gather(base.gather)
+        )
 
     def _prefixes(self, x: Tensor) -> tuple[Tensor, ...]:
         """The first ``d`` features of ``x`` for each ``d`` of ``dims``, unit rows where the
