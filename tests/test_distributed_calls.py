@@ -15,6 +15,7 @@ One spawn, with a short process-group timeout (the last case waits for it).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,11 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
 
     out["skipped backward"] = _outcome(skipped_backward)
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    # The skipped backward leaves the ranks' collectives out of step, on purpose: tearing
+    # down that process group at exit may abort the process (gloo's "terminate called
+    # without an active exception", SIGABRT on rank 0 in 1 fresh-clone CI run under load)
+    # after its results are saved. Leave without the C++ teardown: the results are on disk.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
