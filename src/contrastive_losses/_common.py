@@ -22,13 +22,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from . import _checks, _compat
+from . import _checks, _compat, _guide
+from ._gather import _gather_no_grad as _gather_no_grad  # the losses import it from here
 from ._kernels import (
     _compute_dtype,
     l2_normalize,
 )
 from ._warnings import warn_at_caller
-from .distributed import Validation, all_gather_no_grad, all_gather_with_grad
+from .distributed import Validation, all_gather_with_grad
 
 Terms = dict[str, Tensor]
 
@@ -488,11 +489,6 @@ def _gather(x: Tensor, enabled: bool, validate: bool = True) -> tuple[Tensor, in
     return all_gather_with_grad(x, equal_sizes=not validate) if enabled else (x, 0)
 
 
-def _gather_no_grad(x: Tensor, enabled: bool, validate: bool = True) -> Tensor:
-    """:func:`all_gather_no_grad` when ``enabled`` (sizes as in :func:`_gather`), else ``x``."""
-    return all_gather_no_grad(x, equal_sizes=not validate) if enabled else x
-
-
 def _batch(offset: int, n_global: int, enabled: bool) -> _Batch:
     world = torch.distributed.get_world_size() if enabled else 1
     return _Batch(offset=offset, n_global=n_global, world=world)
@@ -524,6 +520,14 @@ def _tile_width(chunk_size: int | None, columns: int) -> int | None:
 # kept per key, a few at a time.
 _CONSTANTS: dict[tuple[object, ...], Tensor] = {}
 _MAX_CONSTANTS = 16
+
+
+def _as_tensor(value: float | Tensor, ref: Tensor) -> Tensor:
+    """A float as a 0-d tensor in ``ref``'s dtype and on its device (a tensor as it is),
+    made by a multiplication: ``torch.compile`` keeps a float that changes between
+    calls symbolic through it (one graph for every value), where ``torch.as_tensor``
+    or ``torch.full`` bake each value into a graph of its own."""
+    return value if isinstance(value, Tensor) else ref.new_ones(()) * value
 
 
 def _cpu_constant(key: tuple[object, ...], ref: Tensor, make: Callable[[], Tensor]) -> Tensor:
@@ -594,5 +598,4 @@ def _diagonal_mask(rows: int, cols: int, offset: int, device: torch.device) -> T
     """``(rows, cols)`` bool, True at ``(r, offset + r)``: each local row's positive among
     the (gathered) columns. Built by comparison: ``mask[r, r + offset] = True`` copies the
     Python scalar to a CUDA device, a host sync."""
-    cols_idx = torch.arange(cols, device=device)
-    return cols_idx[None, :] == torch.arange(offset, offset + rows, device=device)[:, None]
+    return _guide.tile_positives(rows, offset, None, 0, cols, device)

@@ -131,3 +131,8 @@ def all_gather_no_grad(x: Tensor, *, equal_sizes: bool = False) -> Tensor:
     dist.all_gather(out, padded)
     gathered = _unpad(torch.cat(out, dim=0), sizes, max_rows)
     return gathered.bool() if is_bool else gathered
+
+
+def _gather_no_grad(x: Tensor, enabled: bool, validate: bool = True) -> Tensor:
+    """:func:`all_gather_no_grad` when ``enabled`` (sizes as in ``_common._gather``), else ``x``."""
+    return all_gather_no_grad(x, equal_sizes=not validate) if enabled else x

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._gather import all_gather_no_grad
+from ._gather import _gather_no_grad, all_gather_no_grad
 
 STRATEGIES = ("absolute", "relative")
 
@@ -146,11 +146,8 @@ def expand(guide: GuideInput | None, v: Any, gather: bool, validate: bool) -> Gu
     ga, gt = v.ordered(guide.audio, guide.text)  # gathered only after the ranks' exchange
     if guide.single:
         gt = ga
-    ga_all = all_gather_no_grad(ga, equal_sizes=not validate) if gather else ga
-    if guide.single or not gather:
-        gt_all = ga_all if guide.single else gt
-    else:
-        gt_all = all_gather_no_grad(gt, equal_sizes=not validate)
+    ga_all = _gather_no_grad(ga, gather, validate)
+    gt_all = ga_all if guide.single else _gather_no_grad(gt, gather, validate)
     if guide.single:
         diag, diag_all = ga.new_ones(ga.shape[0]), ga.new_ones(ga_all.shape[0])
     else:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
-from ._common import _gather, _gather_no_grad, _logit_range, _tile_width
+from ._common import _as_tensor, _gather, _gather_no_grad, _logit_range, _tile_width
 from ._kernels import _compute_dtype, l2_normalize, widen
 from .distributed import Validation
 
@@ -318,8 +318,7 @@ def siglip_rows(
     negatives and :math:`\sum_m \operatorname{softplus}(c\langle m, t_i\rangle + b)`
     over the audio negatives (this rank's text rows as anchors)."""
     out = per_row.sum(-1) if per_row.dim() == 2 else per_row
-    b_t = bias if isinstance(bias, Tensor) else a.new_ones(()) * bias  # symbolic under compile
-    b_t = b_t.to(a.dtype)
+    b_t = _as_tensor(bias, a).to(a.dtype)  # a float stays symbolic under compile
     for x, cols, m in ((a, neg.text, neg.text_mask), (t, neg.audio, neg.audio_mask)):
         if cols is not None:
             out = out + _reduce_columns(x * scale, cols, m, "softplus", chunk_size, b_t)

@@ -25,13 +25,12 @@ a plain one-process dense ``InfoNCELoss`` with ``"mean"``: see
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
-from ._common import _cpu_constant, _narrow, _pair_and_ids, _resolve_scale
+from ._common import _narrow, _pair_and_ids, _resolve_scale
 from ._kernels import widen
-from ._nce_rows import _COLUMN_SOFTMAX_MIN
+from ._nce_rows import _mean_cross_entropies
 
 
 def _prefix_norms(u: Tensor, edges: list[int], name: str, validate: bool) -> list[Tensor]:
@@ -81,8 +80,6 @@ def nested_info_nce(
     edges = sorted(dims)
     rho_a = _prefix_norms(a, edges, "audio", validate)
     rho_t = _prefix_norms(t, edges, "text", validate)
-    b = a.shape[0]
-    target = _cpu_constant(("labels", b), a, lambda: torch.arange(b, device=a.device))
     weight = dict(zip(dims, weights, strict=True))
     total: Tensor | None = None
     products: Tensor | None = None
@@ -92,11 +89,7 @@ def nested_info_nce(
         products = block if products is None else products + block
         lo = hi
         logits = products * (rho_a[m] * scale)[:, None] * rho_t[m][None, :]
-        a2t = F.cross_entropy(logits, target)
-        if b < _COLUMN_SOFTMAX_MIN:  # as _info_nce_means: the transposed view below it
-            t2a = F.cross_entropy(logits.T, target)
-        else:
-            t2a = -F.log_softmax(logits, dim=0).diagonal().mean()
+        a2t, t2a = _mean_cross_entropies(logits)  # as info_nce's one-process mean
         term = (a2t + t2a) / 2 * weight[hi]
         total = term if total is None else total + term
     assert total is not None  # dims is not empty

@@ -66,8 +66,15 @@ def _info_nce_means(a: Tensor, t: Tensor, scale: float | Tensor) -> tuple[Tensor
             return _SymmetricMeanCE.apply(a * scale, t, 1.0)
         return _SymmetricMeanCE.apply(a, t, scale)
     a = a * scale  # the (B, D) side, not the (B, B) logits; as in _info_nce_rows
-    logits = a @ t.T  # (B, B)
-    target = _cpu_constant(("labels", b), a, lambda: torch.arange(b, device=a.device))
+    return _mean_cross_entropies(a @ t.T)
+
+
+def _mean_cross_entropies(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """The mean a->t and t->a cross-entropies of square ``(B, B)`` logits, positives on
+    the diagonal: two fused ``F.cross_entropy`` calls, the t->a one down the columns from
+    :data:`_COLUMN_SOFTMAX_MIN` rows."""
+    b = logits.shape[0]
+    target = _cpu_constant(("labels", b), logits, lambda: torch.arange(b, device=logits.device))
     if b < _COLUMN_SOFTMAX_MIN:
         return F.cross_entropy(logits, target), F.cross_entropy(logits.T, target)
     return F.cross_entropy(logits, target), -F.log_softmax(logits, dim=0).diagonal().mean()

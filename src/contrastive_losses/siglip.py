@@ -22,6 +22,7 @@ from ._common import (
     ContrastivePair,
     Terms,
     _agree_pair,
+    _as_tensor,
     _batch,
     _check_logit_scale,
     _cpu_constant,
@@ -277,14 +278,6 @@ def _excluded_pairs(
         positives = ids[:, None] == ids_all[None, :]
     row, col = _guide.tile_masks(tiles, 0, n, positives)
     return row if col is row else row | col
-
-
-def _as_tensor(value: float | Tensor, ref: Tensor) -> Tensor:
-    """A float as a 0-d tensor in ``ref``'s dtype and on its device (a tensor as it is),
-    made by a multiplication: ``torch.compile`` keeps a float that changes between
-    calls symbolic through it (one graph for every value), where ``torch.as_tensor``
-    or ``torch.full`` bake each value into a graph of its own."""
-    return value if isinstance(value, Tensor) else ref.new_ones(()) * value
 
 
 # Up to this many pairs the positives' sign flip is a product with a +-1 matrix: the
