@@ -149,13 +149,14 @@ class _SymmetricDiagonalCE(torch.autograd.Function):
 
 
 def _excluded_scores(
-    scores: Tensor, excluded: tuple[Tensor, Tensor] | None
+    scores: Tensor, excluded: tuple[Tensor, Tensor] | None, fill: float | None = None
 ) -> tuple[Tensor, Tensor]:
-    """``scores`` for the rows' and the columns' log-sum-exp, the dtype's finite minimum
-    at the excluded entries (the dense paths' fill: NaN-free in backward)."""
+    """``scores`` for the rows' and the columns' log-sum-exp, ``fill`` at the excluded
+    entries (one tensor when the two masks are one): by default the dtype's finite
+    minimum, the dense paths' fill, NaN-free in backward."""
     if excluded is None:
         return scores, scores
-    low = torch.finfo(scores.dtype).min
+    low = torch.finfo(scores.dtype).min if fill is None else fill
     rows = scores.masked_fill(excluded[0], low)
     return rows, rows if excluded[1] is excluded[0] else scores.masked_fill(excluded[1], low)
 
@@ -352,9 +353,7 @@ def _guided(
     if guide is None:
         return s, s
     pos = _guide.tile_positives(s.shape[-2], offset, ids, c0, c1, s.device)
-    row, col = _guide.tile_masks(guide, c0, c1, pos)
-    s_row = s.masked_fill(row, float("-inf"))
-    return s_row, s_row if col is row else s.masked_fill(col, float("-inf"))
+    return _excluded_scores(s, _guide.tile_masks(guide, c0, c1, pos), float("-inf"))
 
 
 def _tile_positives(
